@@ -40,8 +40,9 @@ setup() {
       python -m pip install -q "torch>=2.4"              # CUDA build; it brings its own triton
     else
       echo "[mambalab] no GPU: installing the CPU build of torch $TORCH_CPU_VERSION and triton $TRITON_CPU_VERSION"
-      python -m pip install -q "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu
-      python -m pip install -q "triton==$TRITON_CPU_VERSION"
+      # The CPU build lives on PyTorch's own index; its dependencies come from PyPI in the second step.
+      python -m pip install -q --no-deps "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      python -m pip install -q "torch==$TORCH_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
     fi
   fi
   if ! python -c 'import importlib.metadata as m; m.version("mamba-ssm")' >/dev/null 2>&1; then

@@ -1,0 +1,333 @@
+"""The Mamba-1 selective scan as Triton kernels: forward, and a backward with no atomic adds.
+
+Math (per batch row, channel d, state index n; see :mod:`mambalab.ref.selective_scan`):
+
+    a_t = exp(Δ_t A)            b_t = Δ_t u_t B_t            (both (d, n) at each step t)
+    h_t = a_t ⊙ h_{t-1} + b_t    y_t = Σ_n C_t h_t + D u_t    out_t = y_t · silu(z_t)
+
+**Forward.** The recurrence h_t = a_t h_{t-1} + b_t is a scan with the associative combine
+
+    (a₁, b₁) ∘ (a₂, b₂) = (a₁ a₂,  a₂ b₁ + b₂)          (earlier element on the left)
+
+so inside a block of ``BLOCK_L`` time steps all prefixes come from one ``tl.associative_scan`` (parallel,
+log-depth), and the state carried in from the previous block enters as h_t = A*_t h_in + B*_t. Blocks are
+walked in order, and the state at each block's start is saved (``states``) for the backward.
+
+**Backward.** With g_t = ∂L/∂h_t (the adjoint of the state, counting all later steps) and dy_t the
+gradient reaching y_t:
+
+    g_t = a_{t+1} ⊙ g_{t+1} + dy_t C_t              a reverse scan, same combine, reversed
+    ∂L/∂C_t = Σ_d dy_t h_t        ∂L/∂B_t = Σ_d g_t Δ_t u_t        ∂L/∂u_t = Δ_t Σ_n g_t B_t + D dy_t
+    ∂L/∂Δ_t = Σ_n g_t (h_t - b_t) A + u_t Σ_n g_t B_t            (a_t h_{t-1} = h_t - b_t)
+    ∂L/∂A   = Σ_t Δ_t g_t (h_t - b_t)        ∂L/∂D = Σ_t dy_t u_t
+
+Blocks are walked last to first; each recomputes its forward from its saved starting state.
+Gradients that sum over programs (A, D and delta_bias over the batch; B and C over channel blocks) are
+written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials` in a fixed
+order, so the backward is bitwise reproducible and independent of the GPU it runs on.
+
+Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, out: (b, d, l), contiguous;
+A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
+Tiles: ``BLOCK_D`` channels × ``BLOCK_N`` states × ``BLOCK_L`` steps per program, picked by
+:func:`tile_config` from (d // g, n) alone, so results never depend on the batch size or the machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from mambalab.kernels.reduce import sum_partials
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_d: int
+    block_n: int
+    block_l: int
+    num_warps: int
+
+
+def tile_config(channels_per_group: int, n: int) -> TileConfig:
+    """The documented tile rule, from the shape alone (never the SM count or an autotuner).
+
+    BLOCK_N covers the whole state (next power of two). BLOCK_D is the largest power of two up to 4 that
+    divides the channels of one B/C group, so a program reads one group. BLOCK_L makes a tile of about
+    4096 elements (at least 16 steps).
+    """
+    block_n = triton.next_power_of_2(max(n, 1))
+    block_d = 1
+    while block_d < 4 and channels_per_group % (block_d * 2) == 0:
+        block_d *= 2
+    block_l = max(16, min(256, 4096 // (block_d * block_n)))
+    return TileConfig(block_d, block_n, block_l, num_warps=4)
+
+
+@triton.jit
+def _scan_combine(a_left, b_left, a_right, b_right):
+    return a_left * a_right, a_right * b_left + b_right
+
+
+@triton.jit
+def _delta_at(delta_ptrs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Load Δ (BLOCK_D, BLOCK_L) in fp32, add the bias, apply softplus; masked steps get Δ = 0 (a no-op step)."""
+    dt = tl.load(delta_ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        dt += bias[:, None]
+    if SOFTPLUS:
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    return tl.where(mask, dt, 0.0)
+
+
+@triton.jit
+def selective_scan_fwd_kernel(
+    u_ptr,            # (b, d, l) input
+    delta_ptr,        # (b, d, l) step sizes Δ before bias/softplus
+    A_ptr,            # (d, n) fp32
+    B_ptr,            # (b, g, n, l)
+    C_ptr,            # (b, g, n, l)
+    D_ptr,            # (d,) skip weight, or a dummy
+    z_ptr,            # (b, d, l) gate, or a dummy
+    bias_ptr,         # (d,) delta_bias, or a dummy
+    out_ptr,          # (b, d, l) output
+    states_ptr,       # (b, c, d, n) fp32: the state entering each block of BLOCK_L steps
+    last_state_ptr,   # (b, d, n) fp32: the state after the last step
+    d, n, l, g,       # sizes
+    n_blocks,         # c = ceil(l / BLOCK_L)
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_L)
+    mask_d = offs_d < d
+    mask_n = offs_n < n
+    group = (pid_d * BLOCK_D) // (d // g)
+
+    A = tl.load(A_ptr + offs_d[:, None] * n + offs_n[None, :],
+                mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    A2 = A * 1.4426950408889634  # exp(x) = exp2(x log2 e)
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+
+    row = (pid_b * d + offs_d).to(tl.int64) * l                    # (BLOCK_D,) start of each channel's row
+    bc_row = ((pid_b * g + group) * n + offs_n).to(tl.int64) * l   # (BLOCK_N,) start of B/C rows
+    h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    for blk in range(0, n_blocks):
+        t = blk * BLOCK_L + offs_t
+        mask_t = t < l
+        mask_dt = mask_d[:, None] & mask_t[None, :]
+        mask_nt = mask_n[:, None] & mask_t[None, :]
+        # Save the state entering this block, for the backward.
+        st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+        tl.store(st, h, mask=mask_d[:, None] & mask_n[None, :])
+
+        dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)  # (BD, BL)
+        uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)    # (BD, BL)
+        Bt = tl.load(B_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)  # (BN, BL)
+        Ct = tl.load(C_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)  # (BN, BL)
+
+        a = tl.exp2(dt[:, None, :] * A2[:, :, None])              # (BD, BN, BL)
+        bx = (dt * uu)[:, None, :] * Bt[None, :, :]               # (BD, BN, BL)
+        a_cum, b_cum = tl.associative_scan((a, bx), 2, _scan_combine)
+        hs = a_cum * h[:, :, None] + b_cum                        # (BD, BN, BL): h_t for every t
+        y = tl.sum(hs * Ct[None, :, :], axis=1)                   # (BD, BL)
+        if HAS_D:
+            y += uu * Dv[:, None]
+        if HAS_Z:
+            zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+            y = y * zz * tl.sigmoid(zz)
+        tl.store(out_ptr + row[:, None] + t[None, :], y.to(out_ptr.dtype.element_ty), mask=mask_dt)
+        # Masked (padding) steps have a = 1, b = 0, so the last column is the state after step l - 1.
+        h = tl.sum(tl.where(offs_t[None, None, :] == BLOCK_L - 1, hs, 0.0), axis=2)
+    ls = last_state_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+    tl.store(ls, h, mask=mask_d[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def selective_scan_bwd_kernel(
+    u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr,   # forward inputs, as above
+    dout_ptr,         # (b, d, l) gradient of the output
+    states_ptr,       # (b, c, d, n) fp32 block-start states saved by the forward
+    du_ptr,           # (b, d, l)
+    ddelta_ptr,       # (b, d, l) gradient w.r.t. delta before bias/softplus
+    dz_ptr,           # (b, d, l), or a dummy
+    dA_part_ptr,      # (b, d, n) fp32: this batch row's share of dA
+    dD_part_ptr,      # (b, d) fp32, or a dummy
+    dbias_part_ptr,   # (b, d) fp32, or a dummy
+    dB_part_ptr,      # (b, d // BLOCK_D, n, l) fp32: this channel block's share of dB
+    dC_part_ptr,      # (b, d // BLOCK_D, n, l) fp32
+    d, n, l, g,
+    n_blocks,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    n_dblocks = tl.num_programs(1)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_t = tl.arange(0, BLOCK_L)
+    mask_d = offs_d < d
+    mask_n = offs_n < n
+    mask_dn = mask_d[:, None] & mask_n[None, :]
+    group = (pid_d * BLOCK_D) // (d // g)
+
+    A = tl.load(A_ptr + offs_d[:, None] * n + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
+    A2 = A * 1.4426950408889634
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+
+    row = (pid_b * d + offs_d).to(tl.int64) * l
+    bc_row = ((pid_b * g + group) * n + offs_n).to(tl.int64) * l
+    part_row = ((pid_b * n_dblocks + pid_d) * n + offs_n).to(tl.int64) * l   # (BLOCK_N,) rows of dB/dC partials
+
+    g_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)   # g at the first step of the later block
+    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    dD_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for i in range(0, n_blocks):
+        blk = n_blocks - 1 - i
+        t = blk * BLOCK_L + offs_t
+        mask_t = t < l
+        mask_dt = mask_d[:, None] & mask_t[None, :]
+        mask_nt = mask_n[:, None] & mask_t[None, :]
+        st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+        h_in = tl.load(st, mask=mask_dn, other=0.0)
+
+        raw = tl.load(delta_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            raw += bias[:, None]
+        dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)
+        uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+        Bt = tl.load(B_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)
+        Ct = tl.load(C_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)
+        dout = tl.load(dout_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+
+        # Recompute this block's forward from its saved starting state.
+        a = tl.exp2(dt[:, None, :] * A2[:, :, None])
+        bx = (dt * uu)[:, None, :] * Bt[None, :, :]
+        a_cum, b_cum = tl.associative_scan((a, bx), 2, _scan_combine)
+        hs = a_cum * h_in[:, :, None] + b_cum                       # (BD, BN, BL)
+
+        dy = dout
+        if HAS_Z:
+            zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(zz)
+            y = tl.sum(hs * Ct[None, :, :], axis=1)
+            if HAS_D:
+                y += uu * Dv[:, None]
+            dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
+            tl.store(dz_ptr + row[:, None] + t[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
+            dy = dout * zz * sig
+
+        # Reverse scan for the adjoint: element t carries (a_{t+1}, dy_t C_t).
+        t1 = t + 1
+        mask_dt1 = mask_d[:, None] & (t1 < l)[None, :]
+        dt_next = _delta_at(delta_ptr + row[:, None] + t1[None, :], mask_dt1, bias, HAS_BIAS, SOFTPLUS)
+        a_next = tl.exp2(dt_next[:, None, :] * A2[:, :, None])
+        c = dy[:, None, :] * Ct[None, :, :]
+        a_rev, c_rev = tl.associative_scan((a_next, c), 2, _scan_combine, reverse=True)
+        gs = a_rev * g_carry[:, :, None] + c_rev                     # (BD, BN, BL): g_t
+        g_carry = tl.sum(tl.where(offs_t[None, None, :] == 0, gs, 0.0), axis=2)
+
+        h_minus_b = hs - bx                                          # a_t h_{t-1}
+        gB = tl.sum(gs * Bt[None, :, :], axis=1)                     # (BD, BL)
+        du = dt * gB
+        if HAS_D:
+            du += Dv[:, None] * dy
+            dD_acc += tl.sum(dy * uu, axis=1)
+        ddt = tl.sum(gs * h_minus_b * A[:, :, None], axis=1) + uu * gB
+        if SOFTPLUS:
+            ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
+        ddt = tl.where(mask_dt, ddt, 0.0)
+        dbias_acc += tl.sum(ddt, axis=1)
+        dA_acc += tl.sum(gs * h_minus_b * dt[:, None, :], axis=2)
+        tl.store(du_ptr + row[:, None] + t[None, :], du.to(du_ptr.dtype.element_ty), mask=mask_dt)
+        tl.store(ddelta_ptr + row[:, None] + t[None, :], ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_dt)
+
+        dB = tl.sum(gs * (dt * uu)[:, None, :], axis=0)              # (BN, BL), summed over this block's channels
+        dC = tl.sum(hs * dy[:, None, :], axis=0)
+        tl.store(dB_part_ptr + part_row[:, None] + t[None, :], dB, mask=mask_nt)
+        tl.store(dC_part_ptr + part_row[:, None] + t[None, :], dC, mask=mask_nt)
+
+    dA_p = dA_part_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+    tl.store(dA_p, dA_acc, mask=mask_dn)
+    if HAS_D:
+        tl.store(dD_part_ptr + pid_b * d + offs_d, dD_acc, mask=mask_d)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + pid_b * d + offs_d, dbias_acc, mask=mask_d)
+
+
+def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus):
+    """Launch the forward. Inputs validated and contiguous; B, C as (b, g, n, l).
+
+    Returns (out (b, d, l) in u's dtype, last_state (b, d, n) fp32, states (b, c, d, n) fp32, tiles).
+    """
+    b, d, l = u.shape
+    g, n = B.shape[1], B.shape[2]
+    cfg = tile_config(d // g, n)
+    n_blocks = triton.cdiv(l, cfg.block_l)
+    out = torch.empty_like(u)
+    states = torch.empty(b, n_blocks, d, n, device=u.device, dtype=torch.float32)
+    last_state = torch.empty(b, d, n, device=u.device, dtype=torch.float32)
+    grid = (b, triton.cdiv(d, cfg.block_d))
+    selective_scan_fwd_kernel[grid](
+        u, delta, A, B, C,
+        D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
+        out, states, last_state,
+        d, n, l, g, n_blocks,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
+        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps,
+    )
+    return out, last_state, states, cfg
+
+
+def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states, cfg):
+    """Launch the backward and reduce its partials. Returns (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)
+    with B/C gradients shaped (b, g, n, l)."""
+    b, d, l = u.shape
+    g, n = B.shape[1], B.shape[2]
+    n_blocks = states.shape[1]
+    n_dblocks = triton.cdiv(d, cfg.block_d)
+    f32 = dict(device=u.device, dtype=torch.float32)
+    du = torch.empty_like(u)
+    ddelta = torch.empty_like(delta)
+    dz = torch.empty_like(z) if z is not None else None
+    dA_part = torch.empty(b, d, n, **f32)
+    dD_part = torch.empty(b, d, **f32) if D is not None else None
+    dbias_part = torch.empty(b, d, **f32) if delta_bias is not None else None
+    dB_part = torch.empty(b, n_dblocks, n, l, **f32)
+    dC_part = torch.empty(b, n_dblocks, n, l, **f32)
+    selective_scan_bwd_kernel[(b, n_dblocks)](
+        u, delta, A, B, C,
+        D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
+        dout, states, du, ddelta, dz if dz is not None else du,
+        dA_part, dD_part if dD_part is not None else dA_part, dbias_part if dbias_part is not None else dA_part,
+        dB_part, dC_part,
+        d, n, l, g, n_blocks,
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
+        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps,
+    )
+    # Channel blocks never straddle a group (tile_config), so each group owns (d // g) // BLOCK_D of them.
+    per_group = n_dblocks // g
+    dB = sum_partials(dB_part.view(b, g, per_group, n, l), dim=2, out_dtype=B.dtype)
+    dC = sum_partials(dC_part.view(b, g, per_group, n, l), dim=2, out_dtype=C.dtype)
+    dA = sum_partials(dA_part, dim=0, out_dtype=A.dtype)
+    dD = sum_partials(dD_part, dim=0, out_dtype=D.dtype) if D is not None else None
+    dbias = sum_partials(dbias_part, dim=0, out_dtype=delta_bias.dtype) if delta_bias is not None else None
+    return du, ddelta, dA, dB, dC, dD, dz, dbias

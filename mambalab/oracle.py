@@ -1,0 +1,87 @@
+"""mamba-ssm, the reference implementation, loaded so that its usable parts work on any machine.
+
+mamba-ssm 2.3.2.post1 ships only an sdist. Built without its CUDA extension (``MAMBA_SKIP_CUDA_BUILD=TRUE``,
+the only way on a machine without CUDA), ``import mamba_ssm`` fails: its package ``__init__`` imports
+``selective_scan_cuda`` unconditionally. This module is the one place in mambalab that handles that: when
+the extension cannot be imported, it registers a stand-in module under that name whose every attribute
+raises :class:`MambaCudaExtensionMissing` with instructions. Everything else in mamba-ssm (the pure-PyTorch
+references, the Triton kernels on a GPU) then imports and works; only the CUDA-only ops fail, clearly.
+
+Use :func:`load` (or the helpers below) rather than ``import mamba_ssm`` anywhere in mambalab.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from functools import lru_cache
+
+EXTENSION = "selective_scan_cuda"
+BUILD_HINT = (
+    "mamba-ssm's CUDA extension `selective_scan_cuda` is not built in this environment (it was installed "
+    "with MAMBA_SKIP_CUDA_BUILD=TRUE, the only way without nvcc). On a machine with a CUDA GPU and nvcc, "
+    "reinstall it with: MAMBALAB_BUILD_MAMBA_CUDA=1 ./run.sh setup  (after `pip uninstall mamba-ssm`), or "
+    "compile it with torch.utils.cpp_extension.load from the sdist's csrc/selective_scan sources. "
+    "On a CPU, use mamba_ssm.ops.selective_scan_interface.selective_scan_ref or mambalab.ops.selective_scan."
+)
+
+
+class MambaCudaExtensionMissing(RuntimeError):
+    """A mamba-ssm op needs the CUDA extension that this installation lacks."""
+
+
+class _MissingExtension(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise MambaCudaExtensionMissing(f"{EXTENSION}.{name} was called, but {BUILD_HINT}")
+
+
+def cuda_extension_available() -> bool:
+    """True when mamba-ssm's real CUDA extension is importable (after :func:`load`)."""
+    load()
+    return not isinstance(sys.modules.get(EXTENSION), _MissingExtension)
+
+
+@lru_cache(maxsize=None)
+def load() -> types.ModuleType:
+    """Import mamba_ssm, standing in for its CUDA extension if that is missing. Returns the package."""
+    if EXTENSION not in sys.modules:
+        try:
+            importlib.import_module(EXTENSION)
+        except ImportError:
+            sys.modules[EXTENSION] = _MissingExtension(EXTENSION)
+    try:
+        return importlib.import_module("mamba_ssm")
+    except ImportError as err:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "mamba-ssm is not installed. ./run.sh setup installs it; by hand: "
+            "MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE pip install --no-build-isolation "
+            "mamba-ssm==2.3.2.post1"
+        ) from err
+
+
+def version() -> str | None:
+    """mamba-ssm's version, or None if it is not installed (does not import it)."""
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    try:
+        return _version("mamba-ssm")
+    except PackageNotFoundError:
+        return None
+
+
+def module(name: str) -> types.ModuleType:
+    """A submodule of mamba_ssm, e.g. ``module("ops.selective_scan_interface")``."""
+    load()
+    return importlib.import_module(f"mamba_ssm.{name}")
+
+
+def selective_scan_ref():
+    """mamba-ssm's pure-PyTorch selective scan (runs anywhere)."""
+    return module("ops.selective_scan_interface").selective_scan_ref
+
+
+def selective_scan_fn():
+    """mamba-ssm's CUDA selective scan; calling it without the extension raises MambaCudaExtensionMissing."""
+    return module("ops.selective_scan_interface").selective_scan_fn

@@ -1,0 +1,5 @@
+"""Pure-PyTorch references, written to be read. Every Triton kernel in :mod:`mambalab.kernels` is tested
+against one of these."""
+from mambalab.ref.selective_scan import selective_scan_ref, selective_scan_step
+
+__all__ = ["selective_scan_ref", "selective_scan_step"]

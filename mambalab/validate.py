@@ -1,0 +1,60 @@
+"""Input validation at the public boundary: the one set of checks every op uses.
+
+Each check raises before any kernel launches, with a message that names the argument and says what was
+expected: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device or value.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+    """``x`` must be a real floating tensor of one of ``dtypes``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.is_complex():
+        raise TypeError(f"{name} must be real; complex tensors ({x.dtype}) are not supported")
+    dtypes = tuple(dtypes)
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}; got {str(x.dtype).replace('torch.', '')}")
+    return x
+
+
+def shape(name: str, x: torch.Tensor, expected: Sequence[int | None], meaning: str) -> None:
+    """``x.shape`` must equal ``expected`` (None matches any size). ``meaning`` spells the dims, e.g.
+    "(b, d, l)"."""
+    got = tuple(x.shape)
+    ok = len(got) == len(expected) and all(e is None or e == s for e, s in zip(expected, got))
+    if not ok:
+        want = tuple("?" if e is None else e for e in expected)
+        raise ValueError(f"{name} must have shape {meaning} = {want}; got {got}")
+
+
+def same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors (None ignored) must be on one device; returns it."""
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    first_name, first = items[0]
+    for k, v in items[1:]:
+        if v.device != first.device:
+            raise ValueError(f"{k} is on {v.device} but {first_name} is on {first.device}; "
+                             "all inputs must be on the same device")
+    return first.device
+
+
+def finite(name: str, x: torch.Tensor) -> None:
+    """``x`` must hold no NaN or infinity."""
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contains NaN or infinite values")
+
+
+def positive_int(name: str, value, *, power_of_two: bool = False) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if power_of_two and value & (value - 1):
+        raise ValueError(f"{name} must be a power of two; got {value}")
+    return value
