@@ -1,0 +1,195 @@
+"""mambalab.ops.selective_scan against mamba-ssm's selective_scan_ref (the oracle), forward and every
+gradient; determinism; batch invariance; input validation."""
+import math
+
+import pytest
+import torch
+
+from mambalab import oracle
+from mambalab.kernels import selective_scan as kernels
+from mambalab.kernels.reduce import sum_partials
+from mambalab.ops import selective_scan
+from mambalab.ref.selective_scan import selective_scan_ref as our_ref
+
+from conftest import KERNEL_DEVICE, requires_gpu
+
+NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
+
+
+def make_inputs(b, d, n, l, g=None, *, D=True, z=True, bias=True, dtype=torch.float32, device=KERNEL_DEVICE,
+                seed=0):
+    """Random inputs in mamba-ssm's layout. g=None: B and C of shape (b, n, l); else (b, g, n, l)."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)
+    bc = (b, n, l) if g is None else (b, g, n, l)
+    x = {
+        "u": r(b, d, l),
+        "delta": 0.5 * torch.rand(b, d, l, generator=gen),
+        "A": -(0.5 + torch.rand(d, n, generator=gen)),
+        "B": r(*bc),
+        "C": r(*bc),
+        "D": r(d) if D else None,
+        "z": r(b, d, l) if z else None,
+        "delta_bias": 0.1 * r(d) if bias else None,
+    }
+    out = {}
+    for k, v in x.items():
+        if v is None:
+            out[k] = None
+            continue
+        v = v.to(device)
+        if k in ("u", "delta", "B", "C", "z"):
+            v = v.to(dtype)
+        out[k] = v
+    return out
+
+
+def run(fn, inputs, dout, **kw):
+    leaves = {k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in inputs.items()}
+    res = fn(*(leaves[k] for k in NAMES[:5]), D=leaves["D"], z=leaves["z"], delta_bias=leaves["delta_bias"], **kw)
+    out, last = res if isinstance(res, tuple) else (res, None)
+    out.backward(dout)
+    grads = {k: v.grad for k, v in leaves.items() if v is not None}
+    return out.detach(), last, grads
+
+
+CASES = [
+    # b, d, n, l, g, D, z, bias, softplus, last_state
+    (1, 4, 4, 1, None, False, False, False, False, False),
+    (2, 4, 3, 17, None, True, True, True, True, True),
+    (2, 6, 16, 45, 2, True, False, True, True, False),     # grouped B/C, d/g = 3 -> one channel per program
+    (1, 8, 16, 130, 2, True, True, False, False, True),    # 3 blocks of 64 steps: the state is carried over
+    (2, 8, 5, 33, 8, False, True, True, True, True),       # g = d
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}d{}n{}l{}g{}".format(*c[:5]))
+def test_matches_mamba_ssm_reference(case):
+    b, d, n, l, g, D, z, bias, softplus, last_state = case
+    inputs = make_inputs(b, d, n, l, g, D=D, z=z, bias=bias)
+    dout = torch.randn(b, d, l, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    kw = dict(delta_softplus=softplus, return_last_state=last_state)
+    out, last, grads = run(selective_scan, inputs, dout, **kw)
+    cpu_inputs = {k: (v.cpu() if v is not None else None) for k, v in inputs.items()}
+    ref_out, ref_last, ref_grads = run(oracle.selective_scan_ref(), cpu_inputs, dout.cpu(), **kw)
+
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-5, rtol=1e-4)
+    if last_state:
+        torch.testing.assert_close(last.cpu(), ref_last, atol=2e-5, rtol=1e-4)
+    assert set(grads) == set(ref_grads)
+    for k in ref_grads:
+        scale = ref_grads[k].abs().max().item() + 1.0
+        torch.testing.assert_close(grads[k].cpu(), ref_grads[k], atol=2e-5 * scale, rtol=1e-4, msg=k)
+        assert grads[k].dtype == inputs[k].dtype and grads[k].shape == inputs[k].shape
+
+
+def test_our_reference_matches_mamba_ssm_reference():
+    inputs = make_inputs(2, 4, 3, 19, 2, device="cpu")
+    dout = torch.randn(2, 4, 19)
+    a = run(our_ref, inputs, dout, delta_softplus=True, return_last_state=True)
+    b = run(oracle.selective_scan_ref(), inputs, dout, delta_softplus=True, return_last_state=True)
+    torch.testing.assert_close(a[0], b[0])
+    torch.testing.assert_close(a[1], b[1])
+    for k in b[2]:
+        torch.testing.assert_close(a[2][k], b[2][k], msg=k)
+
+
+def test_backward_is_bitwise_reproducible():
+    inputs = make_inputs(2, 8, 16, 70, 2)
+    dout = torch.randn(2, 8, 70, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
+    first = run(selective_scan, inputs, dout, delta_softplus=True)[2]
+    for _ in range(2):
+        again = run(selective_scan, inputs, dout, delta_softplus=True)[2]
+        for k in first:
+            assert torch.equal(first[k], again[k]), k
+
+
+def test_batch_invariance():
+    """Row 0 gets the same bits alone as inside a batch with other rows (outputs and per-row gradients)."""
+    full = make_inputs(3, 4, 8, 40, None)
+    dout = torch.randn(3, 4, 40, generator=torch.Generator().manual_seed(4)).to(KERNEL_DEVICE)
+    one = {k: (v[:1] if k in ("u", "delta", "B", "C", "z") else v) for k, v in full.items()}
+    out3, _, g3 = run(selective_scan, full, dout, delta_softplus=True)
+    out1, _, g1 = run(selective_scan, one, dout[:1], delta_softplus=True)
+    assert torch.equal(out3[:1], out1)
+    for k in ("u", "delta", "B", "C", "z"):
+        assert torch.equal(g3[k][:1], g1[k]), k
+
+
+def test_tile_rule_depends_on_shape_only():
+    cfg = kernels.tile_config(6, 16)
+    assert cfg.block_d == 2 and cfg.block_n == 16
+    assert kernels.tile_config(2048, 16) == kernels.tile_config(2048, 16)
+    assert kernels.tile_config(2048, 16).block_d * 16 * kernels.tile_config(2048, 16).block_l <= 4096
+
+
+def test_sum_partials_is_a_left_fold():
+    x = torch.randn(3, 5, 7, generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE) * 1e3
+    got = sum_partials(x, dim=1)
+    want = x[:, 0].clone()
+    for p in range(1, x.shape[1]):
+        want = want + x[:, p]
+    assert torch.equal(got, want)
+
+
+# ---------------------------------------------------------------- bad input: clear errors, no launch
+def _valid():
+    return make_inputs(2, 4, 3, 8, None, device="cpu")
+
+
+@pytest.mark.parametrize("change, exc, words", [
+    (lambda x: x.update(u=x["u"][0]), ValueError, "u must have shape (b, d, l)"),
+    (lambda x: x.update(delta=x["delta"][:, :, :5]), ValueError, "delta must have shape"),
+    (lambda x: x.update(A=x["A"][:3]), ValueError, "A must have shape (d, n)"),
+    (lambda x: x.update(B=x["B"][:1]), ValueError, "B must have shape"),
+    (lambda x: x.update(C=x["C"][:, :2]), ValueError, "C must have shape"),
+    (lambda x: x.update(D=torch.ones(3)), ValueError, "D must have shape (d,)"),
+    (lambda x: x.update(z=x["z"][:1]), ValueError, "z must have shape"),
+    (lambda x: x.update(delta_bias=torch.ones(4, 1)), ValueError, "delta_bias must have shape"),
+    (lambda x: x.update(B=torch.randn(2, 3, 3, 8), C=torch.randn(2, 3, 3, 8)), ValueError, "must divide the channels"),
+    (lambda x: x.update(u=x["u"].to(torch.int32)), TypeError, "u must have dtype"),
+    (lambda x: x.update(A=torch.complex(x["A"], x["A"])), TypeError, "A must be real"),
+    (lambda x: x.update(B=x["B"].numpy()), TypeError, "B must be a torch.Tensor"),
+    (lambda x: x.update(D=x["D"].to("meta")), ValueError, "D is on meta"),
+    (lambda x: x["delta"].__setitem__((0, 0, 0), math.nan), ValueError, "delta contains NaN"),
+])
+def test_bad_input_is_rejected_with_a_named_error(change, exc, words, monkeypatch):
+    def no_launch(*a, **k):
+        raise AssertionError("a kernel was launched for invalid input")
+    monkeypatch.setattr(kernels, "selective_scan_fwd", no_launch)
+    x = _valid()
+    change(x)
+    with pytest.raises(exc) as info:
+        selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x["D"], z=x["z"], delta_bias=x["delta_bias"])
+    assert words in str(info.value)
+
+
+# ---------------------------------------------------------------- GPU only
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_on_gpu(dtype):
+    inputs = make_inputs(2, 64, 16, 300, None, dtype=dtype)
+    dout = torch.randn(2, 64, 300, device="cuda", dtype=dtype)
+    out, _, grads = run(selective_scan, inputs, dout, delta_softplus=True)
+    f32 = {k: (v.float() if v is not None else None) for k, v in inputs.items()}
+    ref_out, _, ref_grads = run(oracle.selective_scan_ref(), f32, dout.float(), delta_softplus=True)
+    tol = 3e-2 if dtype == torch.bfloat16 else 5e-3
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref_out, atol=tol * ref_out.abs().max().item(), rtol=tol)
+    for k in ref_grads:
+        scale = ref_grads[k].abs().max().item()
+        torch.testing.assert_close(grads[k].float(), ref_grads[k], atol=tol * scale, rtol=tol, msg=k)
+
+
+@requires_gpu
+def test_matches_mamba_ssm_cuda_kernel():
+    if not oracle.cuda_extension_available():
+        pytest.skip("mamba-ssm's CUDA extension is not built here")
+    inputs = make_inputs(2, 64, 16, 257, None)
+    dout = torch.randn(2, 64, 257, device="cuda")
+    ours = run(selective_scan, inputs, dout, delta_softplus=True)
+    theirs = run(oracle.selective_scan_fn(), inputs, dout, delta_softplus=True)
+    torch.testing.assert_close(ours[0], theirs[0], atol=1e-4, rtol=1e-3)
+    for k in theirs[2]:
+        scale = theirs[2][k].abs().max().item()
+        torch.testing.assert_close(ours[2][k], theirs[2][k], atol=1e-4 * scale, rtol=1e-3, msg=k)
