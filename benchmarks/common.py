@@ -1,0 +1,59 @@
+"""Shared benchmark plumbing: timing on the GPU, bit-pattern counting, and the environment record written
+beside every result (machine and versions), so a JSON file says where its numbers came from."""
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+
+def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
+    """Median time of ``fn()`` in ms on the GPU (CUDA events via triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bits(t: torch.Tensor) -> str:
+    """A hash of a tensor's exact bits."""
+    t = t.detach().contiguous().cpu()
+    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
+
+
+def distinct_patterns(runs: list[dict[str, torch.Tensor]]) -> dict[str, int]:
+    """For repeated runs of named results, how many distinct bit patterns each name had."""
+    return {k: len({bits(r[k]) for r in runs}) for k in runs[0]}
+
+
+def environment() -> dict:
+    import triton
+
+    from mambalab import device, oracle
+
+    info = device.device_info()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": info.name,
+        "compute_capability": info.compute_capability,
+        "sm_count": info.sm_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "mamba_ssm": oracle.version(),
+        "python": platform.python_version(),
+    }
+
+
+def write(path: str | Path, payload: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def median(xs):
+    return statistics.median(xs)
