@@ -1,0 +1,196 @@
+"""Figures for the selective-scan chapter (notebook 01): memory of the state, the scan's combine tree, timings.
+
+Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled axes and units; notebooks call
+``fig.show()``. :func:`memory_explorer` wraps :func:`memory_kernel_figure` in an ipywidgets slider over Δ.
+:func:`scan_schedule` is the combine schedule the tree figure draws, also usable to run the scan by hand.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import plotly.graph_objects as go
+
+__all__ = ["memory_kernel_figure", "memory_explorer", "scan_schedule", "scan_tree_figure", "timing_figure"]
+
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -> go.Figure:
+    """How much of an input the state still holds k steps later, for a few step sizes Δ.
+
+    With a constant Δ, unrolling h_t = exp(Δ A) h_{t-1} + Δ B u_t gives h_t = Σ_k exp(Δ A k) · Δ B u_{t-k}:
+    the input from k steps ago is weighted by exp(Δ·A·k) (A < 0). One curve per Δ, over lags 0 … length-1,
+    with the 1/e line: a state "remembers" about 1 / (Δ |A|) steps. Large Δ: focus on the present (and reset);
+    small Δ: keep the past (and ignore the current input, since B̄ = Δ B is small too).
+    """
+    if A >= 0:
+        raise ValueError(f"A must be negative for the state to decay; got A = {A}")
+    lags = list(range(length))
+    fig = go.Figure()
+    for i, dt in enumerate(delta_values):
+        memory = 1.0 / (dt * abs(A))
+        fig.add_trace(go.Scatter(
+            x=lags, y=[math.exp(dt * A * k) for k in lags], mode="lines",
+            name=f"Δ = {dt:.3g}  (memory ≈ {memory:.3g} steps)", line=dict(color=_COLORS[i % len(_COLORS)]),
+            hovertemplate="lag %{x} steps<br>kept %{y:.3f}<extra>Δ = " + f"{dt:.3g}" + "</extra>",
+        ))
+    fig.add_hline(y=math.exp(-1), line=dict(dash="dot", color="grey"),
+                  annotation_text="1/e", annotation_position="top right")
+    fig.update_layout(
+        title=f"How much of the past the state keeps: weight exp(Δ·A·k) of the input k steps ago (A = {A:g})",
+        xaxis_title="lag k (time steps into the past)",
+        yaxis_title="weight kept (fraction of the input, 0–1)",
+        yaxis_range=[0, 1.05], legend=dict(x=0.99, xanchor="right", y=0.99), template="plotly_white",
+    )
+    return fig
+
+
+def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0):
+    """A log slider over Δ above :func:`memory_kernel_figure`, redrawn on every change.
+
+    Starts at ``delta`` so that a headless run shows a meaningful figure. Returns an ipywidgets ``VBox``
+    (display it as a cell's last expression). Redraws into an Output widget, so it needs no anywidget.
+    """
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    slider = widgets.FloatLogSlider(value=delta, base=10, min=math.log10(delta_min), max=math.log10(delta_max),
+                                    step=0.05, description="Δ", continuous_update=False, readout_format=".3g",
+                                    layout=widgets.Layout(width="60%"))
+    out = widgets.Output()
+
+    def draw(dt):
+        out.clear_output(wait=True)
+        with out:
+            display(memory_kernel_figure([dt], A, length))
+
+    slider.observe(lambda change: draw(change["new"]), names="value")
+    draw(slider.value)
+    return widgets.VBox([slider, out])
+
+
+def scan_schedule(length: int, kind: str = "hillis-steele") -> list[list[tuple[int, int]]]:
+    """The combines of an inclusive parallel scan over ``length`` elements, level by level.
+
+    Returns one list per level of pairs ``(src, dst)``, meaning x[dst] ← x[src] ∘ x[dst] (src < dst, the
+    earlier element on the left); all pairs of one level can run at once, since they read values from
+    before the level.
+
+    * ``"hillis-steele"``: at level k every position t ≥ 2ᵏ combines with t - 2ᵏ. Depth ⌈log₂ l⌉, work
+      ~ l log₂ l combines.
+    * ``"brent-kung"``: an up-sweep builds sums over aligned blocks of 2, 4, 8, … (a tree), then a down-sweep
+      fills in the remaining prefixes. Depth ~ 2 log₂ l, work < 2l combines: work-efficient.
+    """
+    if length < 1:
+        raise ValueError(f"length must be at least 1; got {length}")
+    levels: list[list[tuple[int, int]]] = []
+    if kind == "hillis-steele":
+        stride = 1
+        while stride < length:
+            levels.append([(t - stride, t) for t in range(stride, length)])
+            stride *= 2
+    elif kind == "brent-kung":
+        stride = 1
+        while stride < length:   # up-sweep: the last element of each block of 2·stride absorbs its left half
+            level = [(t - stride, t) for t in range(2 * stride - 1, length, 2 * stride)]
+            if level:
+                levels.append(level)
+            stride *= 2
+        stride //= 2
+        while stride >= 1:       # down-sweep: the middle of each block takes the prefix ending just before it
+            level = [(t - stride, t) for t in range(3 * stride - 1, length, 2 * stride)]
+            if level:
+                levels.append(level)
+            stride //= 2
+    else:
+        raise ValueError(f'kind must be "hillis-steele" or "brent-kung"; got {kind!r}')
+    return levels
+
+
+def scan_tree_figure(length: int, kind: str = "hillis-steele") -> go.Figure:
+    """Draw :func:`scan_schedule`: one row per level, one column per time step, an arrow per operand.
+
+    Arrows from (src, level) and (dst, level) meet at (dst, level + 1), where the combine
+    (a₁, b₁) ∘ (a₂, b₂) = (a₁a₂, a₂b₁ + b₂) happens; grey lines carry an element through a level unchanged.
+    The bottom row holds every prefix x₀ ∘ … ∘ x_t, i.e. the state h_t for every t.
+    """
+    levels = scan_schedule(length, kind)
+    depth = len(levels)
+    fig = go.Figure()
+    # Pass-through lines (elements a level does not touch), drawn first so arrows sit on top.
+    xs, ys = [], []
+    for k, level in enumerate(levels):
+        touched = {dst for _, dst in level}
+        for t in range(length):
+            if t not in touched:
+                xs += [t, t, None]
+                ys += [k, k + 1, None]
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color="lightgrey", width=1),
+                             name="carried unchanged", hoverinfo="skip"))
+    for k, level in enumerate(levels):
+        for src, dst in level:
+            for start, color in ((src, _COLORS[1]), (dst, _COLORS[0])):
+                fig.add_annotation(x=dst, y=k + 1, ax=start, ay=k, xref="x", yref="y", axref="x", ayref="y",
+                                   showarrow=True, arrowhead=2, arrowsize=1, arrowwidth=1.2, arrowcolor=color,
+                                   text="")
+    # Nodes: the value held at each (position, level); hover shows which inputs it covers.
+    span = [(t, t) for t in range(length)]
+    node_x, node_y, node_text = [], [], []
+    for k in range(depth + 1):
+        if k > 0:
+            for src, dst in levels[k - 1]:
+                span[dst] = (span[src][0], span[dst][1])
+        for t in range(length):
+            node_x.append(t)
+            node_y.append(k)
+            lo, hi = span[t]
+            node_text.append(f"x{lo}" if lo == hi else f"x{lo} ∘ … ∘ x{hi}")
+    fig.add_trace(go.Scatter(x=node_x, y=node_y, mode="markers", marker=dict(size=9, color="black"),
+                             text=node_text, hovertemplate="t = %{x}, level %{y}<br>%{text}<extra></extra>",
+                             name="value (a, b) at a level"))
+    # Legend entries for the two arrow colours (annotations have none).
+    for name, color in (("earlier operand (left of ∘)", _COLORS[1]), ("later operand (right of ∘)", _COLORS[0])):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(color=color), name=name))
+    work = sum(len(level) for level in levels)
+    label = {"hillis-steele": "Hillis–Steele", "brent-kung": "Brent–Kung (up-sweep, then down-sweep)"}[kind]
+    fig.update_layout(
+        title=f"{label} scan over {length} steps: depth {depth} levels, work {work} combines "
+              f"(the sequential loop: depth {length - 1}, work {length - 1})",
+        xaxis=dict(title="time step t (position in the sequence)", dtick=1),
+        yaxis=dict(title="level (parallel combine steps; all arrows in a level run at once)",
+                   autorange="reversed", dtick=1),
+        template="plotly_white", height=180 + 60 * depth,
+        legend=dict(orientation="h", y=-0.25),
+    )
+    return fig
+
+
+def timing_figure(lengths: Sequence[int], times_by_method: Mapping[str, Sequence[float]], *,
+                  note: str | None = None, title: str | None = None) -> go.Figure:
+    """Run time against sequence length, log–log, with a dashed line ∝ l for reference.
+
+    ``times_by_method`` maps a method's name to its times in milliseconds, one per length (None for a
+    missing point). A method whose points run parallel to the dashed line scales linearly in l.
+    ``note`` goes under the title (say, what the timings can and cannot show).
+    """
+    fig = go.Figure()
+    anchor = None
+    for i, (name, times) in enumerate(times_by_method.items()):
+        if len(times) != len(lengths):
+            raise ValueError(f"times_by_method[{name!r}] has {len(times)} times for {len(lengths)} lengths")
+        fig.add_trace(go.Scatter(x=list(lengths), y=list(times), mode="lines+markers", name=name,
+                                 line=dict(color=_COLORS[i % len(_COLORS)]),
+                                 hovertemplate="l = %{x}<br>%{y:.3g} ms<extra>" + name + "</extra>"))
+        if anchor is None:
+            anchor = next(((l, t) for l, t in zip(lengths, times) if t is not None), None)
+    if anchor is not None:
+        l0, t0 = anchor
+        fig.add_trace(go.Scatter(x=list(lengths), y=[t0 * l / l0 for l in lengths], mode="lines",
+                                 name="∝ l (linear, for reference)", line=dict(dash="dash", color="grey")))
+    full_title = title or "Selective scan forward: time against sequence length"
+    if note:
+        full_title += f"<br><sup>{note}</sup>"
+    fig.update_layout(title=full_title, xaxis=dict(title="sequence length l (time steps)", type="log"),
+                      yaxis=dict(title="time per call (ms)", type="log"), template="plotly_white")
+    return fig
