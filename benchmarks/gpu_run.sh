@@ -18,8 +18,7 @@ build_pid=$!
 for step in "$@"; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_selective_scan.py 2>&1 | tail -15 ;;
-    sweep) wait $build_pid; python3 benchmarks/bench_selective_scan.py --sweep --lengths 2048 --dtypes bf16 --reps 2 \
-             --mamba-sdist "$SDIST" --mamba-build-dir "$EXT_DIR" --out "$OUT/selective_scan_sweep.json" ;;
+    sweep) python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan_sweep.json" ;;
     bench) wait $build_pid; python3 benchmarks/bench_selective_scan.py --mamba-sdist "$SDIST" --mamba-build-dir "$EXT_DIR" \
              --out "$OUT/selective_scan.json" ;;
     notebooks) python3 -m mambalab workbook --output-dir "$OUT/workbook" ;;

@@ -22,13 +22,15 @@ gradient reaching y_t:
     ∂L/∂A   = Σ_t Δ_t g_t (h_t - b_t)        ∂L/∂D = Σ_t dy_t u_t
 
 Blocks are walked last to first; each recomputes its forward from its saved starting state.
+Inside a block, the program loops over the n state indices: each is an independent scan over the
+block's steps on a (BLOCK_D, BLOCK_L) tile, and sums over n (y, Σ_n g B, ...) accumulate in registers.
 Gradients that sum over programs (A, D and delta_bias over the batch; B and C over channel blocks) are
 written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials` in a fixed
 order, so the backward is bitwise reproducible and independent of the GPU it runs on.
 
 Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, out: (b, d, l), contiguous;
 A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
-Tiles: ``BLOCK_D`` channels × ``BLOCK_N`` states × ``BLOCK_L`` steps per program, picked by
+Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state is held as BLOCK_D × BLOCK_N), picked by
 :func:`tile_config` from (d // g, n) alone, so results never depend on the batch size or the machine.
 """
 from __future__ import annotations
@@ -55,16 +57,15 @@ class TileConfig:
 def tile_config(channels_per_group: int, n: int) -> TileConfig:
     """The documented tile rule, from the shape alone (never the SM count or an autotuner).
 
-    BLOCK_N covers the whole state (next power of two). BLOCK_D is the largest power of two up to 4 that
-    divides the channels of one B/C group, so a program reads one group. BLOCK_L makes a tile of about
-    4096 elements (at least 16 steps).
+    BLOCK_N covers the whole state (next power of two) in the register tile that carries it. BLOCK_D is
+    the largest power of two up to 4 that divides the channels of one B/C group, so a program reads one
+    group. BLOCK_L makes a (BLOCK_D, BLOCK_L) tile of 512 elements.
     """
     block_n = triton.next_power_of_2(max(n, 1))
     block_d = 1
     while block_d < 4 and channels_per_group % (block_d * 2) == 0:
         block_d *= 2
-    block_l = max(16, min(256, 4096 // (block_d * block_n)))
-    return TileConfig(block_d, block_n, block_l, num_warps=4)
+    return TileConfig(block_d, block_n, block_l=512 // block_d, num_warps=4)
 
 
 @triton.jit
@@ -81,6 +82,12 @@ def _delta_at(delta_ptrs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.const
     if SOFTPLUS:
         dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
     return tl.where(mask, dt, 0.0)
+
+
+@triton.jit
+def _column(tile, offs_n, i):
+    """Column i of a (BLOCK_D, BLOCK_N) register tile, as (BLOCK_D,)."""
+    return tl.sum(tl.where(offs_n[None, :] == i, tile, 0.0), axis=1)
 
 
 @triton.jit
@@ -107,12 +114,9 @@ def selective_scan_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_L)
     mask_d = offs_d < d
-    mask_n = offs_n < n
+    mask_dn = mask_d[:, None] & (offs_n < n)[None, :]
     group = (pid_d * BLOCK_D) // (d // g)
 
-    A = tl.load(A_ptr + offs_d[:, None] * n + offs_n[None, :],
-                mask=mask_d[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-    A2 = A * 1.4426950408889634  # exp(x) = exp2(x log2 e)
     bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -120,38 +124,42 @@ def selective_scan_fwd_kernel(
     if HAS_D:
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
 
-    row = (pid_b * d + offs_d).to(tl.int64) * l                    # (BLOCK_D,) start of each channel's row
-    bc_row = ((pid_b * g + group) * n + offs_n).to(tl.int64) * l   # (BLOCK_N,) start of B/C rows
-    h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    row = (pid_b * d + offs_d).to(tl.int64) * l                 # (BLOCK_D,) start of each channel's row
+    bc_base = ((pid_b * g + group) * n).to(tl.int64) * l        # start of this group's B/C rows
+    h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)          # the state, all n of it
     for blk in range(0, n_blocks):
         t = blk * BLOCK_L + offs_t
         mask_t = t < l
         mask_dt = mask_d[:, None] & mask_t[None, :]
-        mask_nt = mask_n[:, None] & mask_t[None, :]
         # Save the state entering this block, for the backward.
         st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-        tl.store(st, h, mask=mask_d[:, None] & mask_n[None, :])
+        tl.store(st, h, mask=mask_dn)
 
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)  # (BD, BL)
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)    # (BD, BL)
-        Bt = tl.load(B_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)  # (BN, BL)
-        Ct = tl.load(C_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)  # (BN, BL)
-
-        a = tl.exp2(dt[:, None, :] * A2[:, :, None])              # (BD, BN, BL)
-        bx = (dt * uu)[:, None, :] * Bt[None, :, :]               # (BD, BN, BL)
-        a_cum, b_cum = tl.associative_scan((a, bx), 2, _scan_combine)
-        hs = a_cum * h[:, :, None] + b_cum                        # (BD, BN, BL): h_t for every t
-        y = tl.sum(hs * Ct[None, :, :], axis=1)                   # (BD, BL)
+        dtu = dt * uu
+        y = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)
+        # One state index at a time: each is an independent scan over the block's steps.
+        for i in range(0, n):
+            A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32) * 1.4426950408889634
+            B_i = tl.load(B_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)   # (BL,)
+            C_i = tl.load(C_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)   # (BL,)
+            a = tl.exp2(dt * A_i[:, None])                                  # (BD, BL)  exp(Δ A)
+            bx = dtu * B_i[None, :]                                         # (BD, BL)  Δ u B
+            a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
+            hs = a_cum * _column(h, offs_n, i)[:, None] + b_cum             # (BD, BL): h_t[:, i]
+            y += hs * C_i[None, :]
+            # Masked (padding) steps have a = 1, b = 0: the last column is the state after step l - 1.
+            last = tl.sum(tl.where(offs_t[None, :] == BLOCK_L - 1, hs, 0.0), axis=1)
+            h = tl.where(offs_n[None, :] == i, last[:, None], h)
         if HAS_D:
             y += uu * Dv[:, None]
         if HAS_Z:
             zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
             y = y * zz * tl.sigmoid(zz)
         tl.store(out_ptr + row[:, None] + t[None, :], y.to(out_ptr.dtype.element_ty), mask=mask_dt)
-        # Masked (padding) steps have a = 1, b = 0, so the last column is the state after step l - 1.
-        h = tl.sum(tl.where(offs_t[None, None, :] == BLOCK_L - 1, hs, 0.0), axis=2)
     ls = last_state_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-    tl.store(ls, h, mask=mask_d[:, None] & mask_n[None, :])
+    tl.store(ls, h, mask=mask_dn)
 
 
 @triton.jit
@@ -179,12 +187,9 @@ def selective_scan_bwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_L)
     mask_d = offs_d < d
-    mask_n = offs_n < n
-    mask_dn = mask_d[:, None] & mask_n[None, :]
+    mask_dn = mask_d[:, None] & (offs_n < n)[None, :]
     group = (pid_d * BLOCK_D) // (d // g)
 
-    A = tl.load(A_ptr + offs_d[:, None] * n + offs_n[None, :], mask=mask_dn, other=0.0).to(tl.float32)
-    A2 = A * 1.4426950408889634
     bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -193,77 +198,86 @@ def selective_scan_bwd_kernel(
         Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
 
     row = (pid_b * d + offs_d).to(tl.int64) * l
-    bc_row = ((pid_b * g + group) * n + offs_n).to(tl.int64) * l
-    part_row = ((pid_b * n_dblocks + pid_d) * n + offs_n).to(tl.int64) * l   # (BLOCK_N,) rows of dB/dC partials
+    bc_base = ((pid_b * g + group) * n).to(tl.int64) * l
+    part_base = ((pid_b * n_dblocks + pid_d) * n).to(tl.int64) * l   # this program's dB/dC partial rows
 
     g_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)   # g at the first step of the later block
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     dD_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for i in range(0, n_blocks):
-        blk = n_blocks - 1 - i
+    for j in range(0, n_blocks):
+        blk = n_blocks - 1 - j
         t = blk * BLOCK_L + offs_t
         mask_t = t < l
         mask_dt = mask_d[:, None] & mask_t[None, :]
-        mask_nt = mask_n[:, None] & mask_t[None, :]
         st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
         h_in = tl.load(st, mask=mask_dn, other=0.0)
 
-        raw = tl.load(delta_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            raw += bias[:, None]
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)
+        t1 = t + 1   # the reverse scan pairs step t with a_{t+1}
+        dt_next = _delta_at(delta_ptr + row[:, None] + t1[None, :], mask_d[:, None] & (t1 < l)[None, :], bias,
+                            HAS_BIAS, SOFTPLUS)
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
-        Bt = tl.load(B_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)
-        Ct = tl.load(C_ptr + bc_row[:, None] + t[None, :], mask=mask_nt, other=0.0).to(tl.float32)
         dout = tl.load(dout_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
-
-        # Recompute this block's forward from its saved starting state.
-        a = tl.exp2(dt[:, None, :] * A2[:, :, None])
-        bx = (dt * uu)[:, None, :] * Bt[None, :, :]
-        a_cum, b_cum = tl.associative_scan((a, bx), 2, _scan_combine)
-        hs = a_cum * h_in[:, :, None] + b_cum                       # (BD, BN, BL)
-
+        dtu = dt * uu
         dy = dout
         if HAS_Z:
             zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
             sig = tl.sigmoid(zz)
-            y = tl.sum(hs * Ct[None, :, :], axis=1)
-            if HAS_D:
-                y += uu * Dv[:, None]
-            dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
-            tl.store(dz_ptr + row[:, None] + t[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
             dy = dout * zz * sig
 
-        # Reverse scan for the adjoint: element t carries (a_{t+1}, dy_t C_t).
-        t1 = t + 1
-        mask_dt1 = mask_d[:, None] & (t1 < l)[None, :]
-        dt_next = _delta_at(delta_ptr + row[:, None] + t1[None, :], mask_dt1, bias, HAS_BIAS, SOFTPLUS)
-        a_next = tl.exp2(dt_next[:, None, :] * A2[:, :, None])
-        c = dy[:, None, :] * Ct[None, :, :]
-        a_rev, c_rev = tl.associative_scan((a_next, c), 2, _scan_combine, reverse=True)
-        gs = a_rev * g_carry[:, :, None] + c_rev                     # (BD, BN, BL): g_t
-        g_carry = tl.sum(tl.where(offs_t[None, None, :] == 0, gs, 0.0), axis=2)
+        y = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)        # recomputed output (for dz)
+        gB = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)       # Σ_n g B
+        ddt_a = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)    # Σ_n g (h - b) A
+        g_first = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+        for i in range(0, n):
+            A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32)
+            A2_i = A_i * 1.4426950408889634
+            B_i = tl.load(B_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)
+            C_i = tl.load(C_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)
+            # Recompute this block's forward for state index i from its saved starting state.
+            a = tl.exp2(dt * A2_i[:, None])
+            bx = dtu * B_i[None, :]
+            a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
+            hs = a_cum * _column(h_in, offs_n, i)[:, None] + b_cum
+            # Reverse scan for the adjoint: element t carries (a_{t+1}, dy_t C_t).
+            a_next = tl.exp2(dt_next * A2_i[:, None])
+            a_rev, c_rev = tl.associative_scan((a_next, dy * C_i[None, :]), 1, _scan_combine, reverse=True)
+            gs = a_rev * _column(g_carry, offs_n, i)[:, None] + c_rev
+            first = tl.sum(tl.where(offs_t[None, :] == 0, gs, 0.0), axis=1)
+            g_first = tl.where(offs_n[None, :] == i, first[:, None], g_first)
 
-        h_minus_b = hs - bx                                          # a_t h_{t-1}
-        gB = tl.sum(gs * Bt[None, :, :], axis=1)                     # (BD, BL)
+            h_minus_b = hs - bx                                      # a_t h_{t-1}
+            gB += gs * B_i[None, :]
+            ddt_a += gs * h_minus_b * A_i[:, None]
+            dA_i = tl.sum(gs * h_minus_b * dt, axis=1)
+            dA_acc = tl.where(offs_n[None, :] == i, dA_acc + dA_i[:, None], dA_acc)
+            if HAS_Z:
+                y += hs * C_i[None, :]
+            # This channel block's share of dB and dC at state index i.
+            tl.store(dB_part_ptr + part_base + i * l + t, tl.sum(gs * dtu, axis=0), mask=mask_t)
+            tl.store(dC_part_ptr + part_base + i * l + t, tl.sum(hs * dy, axis=0), mask=mask_t)
+        g_carry = g_first
+
         du = dt * gB
         if HAS_D:
             du += Dv[:, None] * dy
             dD_acc += tl.sum(dy * uu, axis=1)
-        ddt = tl.sum(gs * h_minus_b * A[:, :, None], axis=1) + uu * gB
+        if HAS_Z:
+            if HAS_D:
+                y += uu * Dv[:, None]
+            dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
+            tl.store(dz_ptr + row[:, None] + t[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
+        ddt = ddt_a + uu * gB
         if SOFTPLUS:
+            raw = tl.load(delta_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                raw += bias[:, None]
             ddt = tl.where(raw <= 20.0, ddt * tl.sigmoid(raw), ddt)
         ddt = tl.where(mask_dt, ddt, 0.0)
         dbias_acc += tl.sum(ddt, axis=1)
-        dA_acc += tl.sum(gs * h_minus_b * dt[:, None, :], axis=2)
         tl.store(du_ptr + row[:, None] + t[None, :], du.to(du_ptr.dtype.element_ty), mask=mask_dt)
         tl.store(ddelta_ptr + row[:, None] + t[None, :], ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_dt)
-
-        dB = tl.sum(gs * (dt * uu)[:, None, :], axis=0)              # (BN, BL), summed over this block's channels
-        dC = tl.sum(hs * dy[:, None, :], axis=0)
-        tl.store(dB_part_ptr + part_row[:, None] + t[None, :], dB, mask=mask_nt)
-        tl.store(dC_part_ptr + part_row[:, None] + t[None, :], dC, mask=mask_nt)
 
     dA_p = dA_part_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
     tl.store(dA_p, dA_acc, mask=mask_dn)
