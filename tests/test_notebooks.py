@@ -1,0 +1,126 @@
+"""Every notebook in notebooks/ runs start to finish and renders to HTML whose figures work offline; every
+committed notebook is clean. The harness itself (mambalab.workbook) is tested on throwaway notebooks.
+
+Notebooks run as ``./run.sh workbook`` runs them: papermill, a fresh kernel each, no parameters
+overridden, so their ``parameters`` cells pick the small CPU sizes when there is no GPU.
+"""
+import json
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from papermill.exceptions import PapermillExecutionError
+
+from mambalab import workbook
+
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))  # globbed at collection: a new notebook is covered as is
+
+
+@pytest.mark.notebook
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_and_renders_offline(path, tmp_path):
+    executed = workbook.execute(path, tmp_path / "notebooks")  # raises PapermillExecutionError on failure
+    nb = nbformat.read(executed, as_version=4)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
+    page = workbook.render_html(executed, tmp_path / "html")
+    assert workbook.offline_figure_problems(executed, page.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_committed_notebook_is_clean(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    with_outputs = [i for i, c in enumerate(nb.cells)
+                    if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not with_outputs, f"{path.name}: cells {with_outputs} have outputs or execution counts; clear them"
+    tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{path.name}: {len(tagged)} cells tagged 'parameters', expected exactly one"
+    assert tagged[0].cell_type == "code"
+
+
+# --- the harness, on throwaway notebooks --------------------------------------------------------------
+
+def make_notebook(path: Path, *cells: str, parameters: str = "n = 1") -> Path:
+    """A notebook with a `parameters` cell followed by ``cells`` (code)."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell(parameters)
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell(f"# {path.stem}"), params]
+    nb.cells += [nbformat.v4.new_code_cell(source) for source in cells]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+def stream_text(ipynb: Path) -> str:
+    nb = json.loads(ipynb.read_text(encoding="utf-8"))
+    return "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", [])
+                   if o["output_type"] == "stream")
+
+
+def test_find_notebooks_takes_numbered_chapters_in_order(tmp_path):
+    for name in ("01_b.ipynb", "00_a.ipynb", "scratch.ipynb", "1_short.ipynb", "10_c.ipynb"):
+        (tmp_path / name).write_text("{}")
+    assert [p.name for p in workbook.find_notebooks(tmp_path)] == ["00_a.ipynb", "01_b.ipynb", "10_c.ipynb"]
+
+
+@pytest.mark.notebook
+def test_execute_uses_this_interpreter_and_injects_parameters(tmp_path):
+    nb = make_notebook(tmp_path / "src" / "00_probe.ipynb",
+                       "import os, sys\nprint(sys.prefix, n, os.getcwd(), sep='|')", parameters="n = 1")
+    executed = workbook.execute(nb, tmp_path / "out", {"n": 7})
+    assert executed == tmp_path / "out" / "00_probe.ipynb"
+    prefix, n, cwd = stream_text(executed).strip().split("|")
+    assert Path(prefix).resolve() == Path(sys.prefix).resolve()  # the kernel runs in this environment
+    assert n == "7"
+    assert Path(cwd).resolve() == nb.parent.resolve()  # cells run beside the notebook, as in JupyterLab
+
+
+@pytest.mark.notebook
+def test_execute_raises_on_a_failing_cell_and_keeps_the_traceback(tmp_path):
+    nb = make_notebook(tmp_path / "00_fails.ipynb", "raise ValueError('boom in cell')")
+    with pytest.raises(PapermillExecutionError, match="boom in cell"):
+        workbook.execute(nb, tmp_path / "out")
+    assert "boom in cell" in (tmp_path / "out" / "00_fails.ipynb").read_text()
+
+
+@pytest.mark.notebook
+def test_figures_render_offline_after_setup(tmp_path):
+    nb = make_notebook(
+        tmp_path / "00_figure.ipynb",
+        "from mambalab.viz.notebook import setup\nsetup()",
+        "import plotly.graph_objects as go\ngo.Figure(go.Scatter(y=[1, 3, 2]), layout_title_text='probe')",
+    )
+    executed = workbook.execute(nb, tmp_path / "out")
+    page = workbook.render_html(executed, tmp_path / "html")
+    assert page == tmp_path / "html" / "00_figure.html"
+    text = page.read_text(encoding="utf-8")
+    from plotly.offline import get_plotlyjs
+
+    assert get_plotlyjs()[-2000:] in text  # the whole library is in the page, not just its opening
+    assert "Plotly.newPlot" in text and "probe" in text
+    assert workbook.offline_figure_problems(executed, text) == []
+
+
+def test_offline_figure_problems_flags_missing_setup_and_cdn(tmp_path):
+    fig_json = {"output_type": "display_data", "metadata": {},
+                "data": {workbook.PLOTLY_MIMETYPE: {"data": [], "layout": {}}, "text/plain": ["Figure"]}}
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("fig", outputs=[nbformat.from_dict(fig_json)])]
+    path = tmp_path / "00_nosetup.ipynb"
+    nbformat.write(nb, path)
+    problems = workbook.offline_figure_problems(path, "<html><body>Figure</body></html>")
+    assert any("no HTML form" in p for p in problems)
+    assert any("not embedded" in p for p in problems)
+    assert any("setup()" in p for p in problems)
+    cdn = '<script src="https://cdn.plot.ly/plotly-3.0.1.min.js"></script>'
+    assert any("network" in p for p in workbook.offline_figure_problems(path, cdn))
+
+
+def test_title_of_reads_the_first_heading(tmp_path):
+    nb = make_notebook(tmp_path / "03_x.ipynb")
+    assert workbook.title_of(nb) == "03_x"
