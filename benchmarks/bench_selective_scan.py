@@ -51,30 +51,39 @@ def compare(name, fn, x, dout, reps):
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwdbwd, "distinct_grad_patterns": distinct_patterns(runs)}
 
 
-def sweep(x, dout):
-    """Time forward+backward of other tile configurations (for choosing the rule; not results)."""
+def sweep(x, dout, rival=None):
+    """Time forward and backward tiles separately (for choosing the rule), beside the rival in the same run."""
     from mambalab.kernels import selective_scan as k
 
     u, delta, A, B, C, D, z, bias = (x[n] for n in NAMES)
     B4, C4 = B.unsqueeze(1).contiguous(), C.unsqueeze(1).contiguous()
     rows = []
+    if rival is not None:
+        rows.append({"rival": "mamba_ssm_cuda", "fwd_ms": time_ms(lambda: step(rival, x, dout, backward=False)),
+                     "fwd_bwd_ms": time_ms(lambda: step(rival, x, dout))})
+    base = k.tile_config(u.shape[1], A.shape[1])
+    _, _, states, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=base)
     for bd in (1, 2, 4):
-        for bl in (64, 128, 256, 512):
-            for nw in (1, 2, 4):
-                if not 128 <= bd * bl <= 1024:
-                    continue
-                cfg = k.TileConfig(bd, 16, bl, nw)
+        for bl in (128, 256, 512, 1024):
+            for nw in (1, 2):
+                cfg = k.TileConfig(bd, 16, bl, nw, base.bwd_block_d, base.bwd_block_l, base.bwd_num_warps)
                 try:
-                    def run():
-                        out, last, states, c = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
-                        k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, states, cfg)
                     fwd = time_ms(lambda: k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg),
                                   warmup=2, rep=10)
-                    tot = time_ms(run, warmup=2, rep=10)
-                    rows.append({"block_d": bd, "block_l": bl, "num_warps": nw, "fwd_ms": fwd, "fwd_bwd_ms": tot})
+                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "fwd_ms": fwd})
                 except Exception as err:  # a config that does not compile is recorded, not fatal
-                    rows.append({"block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
-    rows.sort(key=lambda r: r.get("fwd_bwd_ms", 1e9))
+                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
+    for bd in (2, 4, 8):
+        for bl in (64, 128, 256):
+            for nw in (1, 2):
+                cfg = k.TileConfig(base.block_d, 16, 1024, base.num_warps, bd, bl, nw)
+                try:
+                    _, _, st, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
+                    bwd = time_ms(lambda: k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, st, cfg),
+                                  warmup=2, rep=10)
+                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "bwd_ms": bwd})
+                except Exception as err:
+                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
     return rows
 
 
@@ -89,14 +98,14 @@ def main():
     p.add_argument("--reps", type=int, default=5, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--mamba-sdist", help="compile mamba-ssm's CUDA extension from this sdist first")
     p.add_argument("--mamba-build-dir", help="where that extension is (or was already) built")
-    p.add_argument("--sweep", action="store_true", help="only time tile configurations (l=2048, bf16)")
+    p.add_argument("--sweep", action="store_true", help="also time tile configurations (l=2048, bf16)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
 
     result = {"benchmark": "selective_scan", "shape": {"b": args.batch, "d": args.channels, "n": args.state},
               "options": "delta_softplus, D, z, delta_bias", "cases": []}
-    if args.mamba_sdist and not args.sweep:
+    if args.mamba_sdist:
         from mamba_cuda_ext import build
 
         result["mamba_ext_build_or_load_s"] = build(args.mamba_sdist, build_dir=args.mamba_build_dir)
@@ -105,7 +114,7 @@ def main():
 
     result["environment"] = environment()
     rival = oracle.selective_scan_fn() if oracle.cuda_extension_available() else None
-    for l in ([] if args.sweep else args.lengths):
+    for l in args.lengths:
         for dname in args.dtypes:
             x = make(args.batch, args.channels, args.state, l, DTYPES[dname])
             dout = torch.randn(args.batch, args.channels, l, device="cuda", dtype=DTYPES[dname])
@@ -127,8 +136,8 @@ def main():
     if args.sweep:
         x = make(args.batch, args.channels, args.state, 2048, torch.bfloat16)
         dout = torch.randn(args.batch, args.channels, 2048, device="cuda", dtype=torch.bfloat16)
-        result["tile_sweep_l2048_bf16"] = sweep(x, dout)
-        print(result["tile_sweep_l2048_bf16"][:8], flush=True)
+        result["tile_sweep_l2048_bf16"] = sweep(x, dout, rival)
+        print(result["tile_sweep_l2048_bf16"], flush=True)
     write(args.out, result)
 
 

@@ -3,7 +3,7 @@
 # CUDA extension (our rival) in the background, run the GPU tests, then the benchmarks.
 #   carried: .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
-#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, bench, sweep, notebooks
+#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, bench (with the tile sweep), notebooks
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
@@ -18,9 +18,8 @@ build_pid=$!
 for step in "$@"; do
   case $step in
     tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_selective_scan.py 2>&1 | tail -15 ;;
-    sweep) python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan_sweep.json" ;;
-    bench) wait $build_pid; python3 benchmarks/bench_selective_scan.py --mamba-sdist "$SDIST" --mamba-build-dir "$EXT_DIR" \
-             --out "$OUT/selective_scan.json" ;;
+    bench) wait $build_pid; python3 benchmarks/bench_selective_scan.py --sweep --mamba-sdist "$SDIST" \
+             --mamba-build-dir "$EXT_DIR" --out "$OUT/selective_scan.json" ;;
     notebooks) python3 -m mambalab workbook --output-dir "$OUT/workbook" ;;
     *) echo "unknown step $step" ;;
   esac

@@ -94,6 +94,17 @@ def test_our_reference_matches_mamba_ssm_reference():
         torch.testing.assert_close(a[2][k], b[2][k], msg=k)
 
 
+def test_forward_without_grad_skips_the_saved_states():
+    x = make_inputs(1, 4, 4, 20, None)
+    with torch.no_grad():
+        out_nograd = selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x["D"], z=x["z"])
+    out, last, states, _ = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"].unsqueeze(1),
+                                                      x["C"].unsqueeze(1), x["D"], x["z"], None, False,
+                                                      save_states=False)
+    assert states is None
+    assert torch.equal(out, out_nograd)
+
+
 def test_backward_is_bitwise_reproducible():
     inputs = make_inputs(2, 8, 16, 70, 2)
     dout = torch.randn(2, 8, 70, generator=torch.Generator().manual_seed(3)).to(KERNEL_DEVICE)
@@ -117,23 +128,28 @@ def test_batch_invariance():
 
 
 def test_tile_rule():
-    assert kernels.tile_config(6, 16).block_d == 2      # divides the 6 channels of a group
-    assert kernels.tile_config(3, 5).block_d == 1
+    assert kernels.tile_config(6, 16).bwd_block_d == 2      # divides the 6 channels of a group
+    assert kernels.tile_config(3, 5).block_d == kernels.tile_config(3, 5).bwd_block_d == 1
     assert kernels.tile_config(3, 5).block_n == 8
     big = kernels.tile_config(2048, 16)
-    assert big.block_d == 4 and big.block_d * big.block_l == 512
+    assert (big.block_d, big.block_l, big.bwd_block_d, big.bwd_block_l) == (2, 512, 4, 128)
+    assert big.block_l % big.bwd_block_l == 0
+    with pytest.raises(ValueError, match="multiple of bwd_block_l"):
+        kernels.TileConfig(1, 16, 48, 1, 1, 32, 1)
 
 
-@pytest.mark.parametrize("block_d, block_l", [(1, 16), (2, 16), (4, 32)])
-def test_state_carried_across_many_blocks(block_d, block_l):
-    """Small tiles force many sequence blocks: the forward carries the state, the backward the adjoint."""
+@pytest.mark.parametrize("block_d, block_l, bwd_block_d, bwd_block_l", [
+    (1, 16, 1, 16), (2, 32, 2, 16), (4, 64, 4, 16), (2, 32, 4, 32)])
+def test_state_carried_across_many_blocks(block_d, block_l, bwd_block_d, bwd_block_l):
+    """Small tiles force many sequence blocks: the forward carries the state (and saves it every
+    bwd_block_l steps, also inside its own blocks), the backward carries the adjoint."""
     b, d, n, l, g = 2, 8, 4, 75, 2
     x = make_inputs(b, d, n, l, g)
     dout = torch.randn(b, d, l, generator=torch.Generator().manual_seed(6)).to(KERNEL_DEVICE)
-    cfg = kernels.TileConfig(block_d, 4, block_l, num_warps=2)
+    cfg = kernels.TileConfig(block_d, 4, block_l, 2, bwd_block_d, bwd_block_l, 2)
     out, last, states, cfg = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                                         x["delta_bias"], True, cfg=cfg)
-    assert states.shape[1] == -(-l // block_l)
+    assert states.shape[1] == -(-l // bwd_block_l)
     grads = kernels.selective_scan_bwd(dout, x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                        x["delta_bias"], True, states, cfg)
     cpu = {k: v.cpu() for k, v in x.items()}

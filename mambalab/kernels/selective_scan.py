@@ -48,24 +48,47 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class TileConfig:
+    """Tiles of the forward and the backward. The backward walks blocks of ``bwd_block_l`` steps, so the
+    forward saves the state every ``bwd_block_l`` steps (its own ``block_l`` is a multiple of that)."""
+
     block_d: int
     block_n: int
     block_l: int
     num_warps: int
+    bwd_block_d: int
+    bwd_block_l: int
+    bwd_num_warps: int
+
+    def __post_init__(self):
+        if self.block_l % self.bwd_block_l:
+            raise ValueError(f"block_l={self.block_l} must be a multiple of bwd_block_l={self.bwd_block_l}")
+
+
+def _largest_power_of_two_dividing(value: int, at_most: int) -> int:
+    p = 1
+    while p < at_most and value % (p * 2) == 0:
+        p *= 2
+    return p
 
 
 def tile_config(channels_per_group: int, n: int) -> TileConfig:
     """The documented tile rule, from the shape alone (never the SM count or an autotuner).
 
-    BLOCK_N covers the whole state (next power of two) in the register tile that carries it. BLOCK_D is
-    the largest power of two up to 4 that divides the channels of one B/C group, so a program reads one
-    group. BLOCK_L makes a (BLOCK_D, BLOCK_L) tile of 512 elements.
+    BLOCK_N covers the whole state (next power of two) in the register tile that carries it. BLOCK_D is a
+    power of two that divides the channels of one B/C group (so a program reads one group): up to 2 in
+    the forward, up to 4 in the backward, where it also sets how many channels each dB/dC partial sums.
+    The forward walks 512 steps a block; the backward 512 / BLOCK_D (128 at BLOCK_D = 4), and the forward
+    saves the state at that interval. One warp a program.
+
+    Chosen from sweeps on an H200 (benchmarks/results/*selective_scan*sweep*.json: b=8, d=2048, n=16,
+    l=2048, bf16): one warp beat 2 and 4 at every tile size; forward alone was fastest at 512 steps,
+    forward+backward at (BLOCK_D, BLOCK_L) = (4, 128), then (2, 256), then (1, 512).
     """
     block_n = triton.next_power_of_2(max(n, 1))
-    block_d = 1
-    while block_d < 4 and channels_per_group % (block_d * 2) == 0:
-        block_d *= 2
-    return TileConfig(block_d, block_n, block_l=512 // block_d, num_warps=4)
+    bwd_block_d = _largest_power_of_two_dividing(channels_per_group, 4)
+    return TileConfig(block_d=_largest_power_of_two_dividing(channels_per_group, 2), block_n=block_n,
+                      block_l=512, num_warps=1, bwd_block_d=bwd_block_d, bwd_block_l=512 // bwd_block_d,
+                      bwd_num_warps=1)
 
 
 @triton.jit
@@ -101,12 +124,15 @@ def selective_scan_fwd_kernel(
     z_ptr,            # (b, d, l) gate, or a dummy
     bias_ptr,         # (d,) delta_bias, or a dummy
     out_ptr,          # (b, d, l) output
-    states_ptr,       # (b, c, d, n) fp32: the state entering each block of BLOCK_L steps
+    states_ptr,       # (b, c, d, n) fp32: the state every CKPT_L steps (entering each backward block)
     last_state_ptr,   # (b, d, n) fp32: the state after the last step
     d, n, l, g,       # sizes
-    n_blocks,         # c = ceil(l / BLOCK_L)
+    n_blocks,         # ceil(l / BLOCK_L)
+    n_ckpt,           # c = ceil(l / CKPT_L)
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
+    CKPT_L: tl.constexpr,        # checkpoint interval; divides BLOCK_L
+    SAVE_STATES: tl.constexpr,   # False when no gradient will be asked for
 ):
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -131,9 +157,10 @@ def selective_scan_fwd_kernel(
         t = blk * BLOCK_L + offs_t
         mask_t = t < l
         mask_dt = mask_d[:, None] & mask_t[None, :]
-        # Save the state entering this block, for the backward.
-        st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-        tl.store(st, h, mask=mask_dn)
+        if SAVE_STATES:  # the state entering this block, for the backward
+            ck = blk * (BLOCK_L // CKPT_L)
+            st = states_ptr + ((pid_b * n_ckpt + ck) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+            tl.store(st, h, mask=mask_dn)
 
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)  # (BD, BL)
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)    # (BD, BL)
@@ -149,6 +176,12 @@ def selective_scan_fwd_kernel(
             a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
             hs = a_cum * _column(h, offs_n, i)[:, None] + b_cum             # (BD, BL): h_t[:, i]
             y += hs * C_i[None, :]
+            if SAVE_STATES:  # states inside the block, every CKPT_L steps
+                for k in tl.static_range(1, BLOCK_L // CKPT_L):
+                    ck = blk * (BLOCK_L // CKPT_L) + k
+                    h_k = tl.sum(tl.where(offs_t[None, :] == k * CKPT_L - 1, hs, 0.0), axis=1)
+                    st_k = states_ptr + ((pid_b * n_ckpt + ck) * d + offs_d).to(tl.int64) * n + i
+                    tl.store(st_k, h_k, mask=mask_d & (ck < n_ckpt))
             # Masked (padding) steps have a = 1, b = 0: the last column is the state after step l - 1.
             last = tl.sum(tl.where(offs_t[None, :] == BLOCK_L - 1, hs, 0.0), axis=1)
             h = tl.where(offs_n[None, :] == i, last[:, None], h)
@@ -287,29 +320,33 @@ def selective_scan_bwd_kernel(
         tl.store(dbias_part_ptr + pid_b * d + offs_d, dbias_acc, mask=mask_d)
 
 
-def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg: TileConfig | None = None):
+def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg: TileConfig | None = None,
+                       save_states: bool = True):
     """Launch the forward. Inputs validated and contiguous; B, C as (b, g, n, l). ``cfg`` overrides the
     tile rule (benchmarks and tests only: the tiles fix the order of additions, so results change bits).
 
-    Returns (out (b, d, l) in u's dtype, last_state (b, d, n) fp32, states (b, c, d, n) fp32, tiles).
+    Returns (out (b, d, l) in u's dtype, last_state (b, d, n) fp32, states (b, c, d, n) fp32 or None, tiles).
     """
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
     cfg = cfg or tile_config(d // g, n)
-    if (d // g) % cfg.block_d:
-        raise ValueError(f"block_d={cfg.block_d} must divide the channels per group, {d // g}")
+    for name in ("block_d", "bwd_block_d"):
+        if (d // g) % getattr(cfg, name):
+            raise ValueError(f"{name}={getattr(cfg, name)} must divide the channels per group, {d // g}")
     n_blocks = triton.cdiv(l, cfg.block_l)
+    n_ckpt = triton.cdiv(l, cfg.bwd_block_l)
     out = torch.empty_like(u)
-    states = torch.empty(b, n_blocks, d, n, device=u.device, dtype=torch.float32)
+    states = torch.empty(b, n_ckpt, d, n, device=u.device, dtype=torch.float32) if save_states else None
     last_state = torch.empty(b, d, n, device=u.device, dtype=torch.float32)
     grid = (b, triton.cdiv(d, cfg.block_d))
     selective_scan_fwd_kernel[grid](
         u, delta, A, B, C,
         D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
-        out, states, last_state,
-        d, n, l, g, n_blocks,
+        out, states if states is not None else last_state, last_state,
+        d, n, l, g, n_blocks, n_ckpt,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, CKPT_L=cfg.bwd_block_l,
+        SAVE_STATES=save_states, num_warps=cfg.num_warps,
     )
     return out, last_state, states, cfg
 
@@ -320,7 +357,7 @@ def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
     n_blocks = states.shape[1]
-    n_dblocks = triton.cdiv(d, cfg.block_d)
+    n_dblocks = triton.cdiv(d, cfg.bwd_block_d)
     f32 = dict(device=u.device, dtype=torch.float32)
     du = torch.empty_like(u)
     ddelta = torch.empty_like(delta)
@@ -338,7 +375,7 @@ def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus
         dB_part, dC_part,
         d, n, l, g, n_blocks,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.bwd_block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.bwd_block_l, num_warps=cfg.bwd_num_warps,
     )
     # Channel blocks never straddle a group (tile_config), so each group owns (d // g) // BLOCK_D of them.
     per_group = n_dblocks // g

@@ -61,8 +61,9 @@ class SelectiveScanFn(torch.autograd.Function):
         B_ = prep(B.unsqueeze(1) if squeeze_group else B)
         C_ = prep(C.unsqueeze(1) if squeeze_group else C)
         A_, D_, bias_ = A.float().contiguous(), prep(D), prep(delta_bias)
+        needs_grad = any(ctx.needs_input_grad[:8])
         out, last_state, states, cfg = _kernels.selective_scan_fwd(
-            u_, delta_, A_, B_, C_, D_, z_, bias_, delta_softplus)
+            u_, delta_, A_, B_, C_, D_, z_, bias_, delta_softplus, save_states=needs_grad)
         ctx.save_for_backward(u_, delta_, A_, B_, C_, D_, z_, bias_, states)
         ctx.cfg, ctx.softplus, ctx.squeeze_group = cfg, delta_softplus, squeeze_group
         ctx.dtypes = [x.dtype if x is not None else None for x in (u, delta, A, B, C, D, z, delta_bias)]
