@@ -6,6 +6,7 @@ Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled a
 """
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -47,10 +48,11 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -
 
 
 def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0):
-    """A log slider over Δ above :func:`memory_kernel_figure`, redrawn on every change.
+    """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` for the slider's Δ.
 
-    Starts at ``delta`` so that a headless run shows a meaningful figure. Returns an ipywidgets ``VBox``
-    (display it as a cell's last expression). Redraws into an Output widget, so it needs no anywidget.
+    Starts at ``delta`` so that a headless run shows a meaningful figure. Moving the slider replaces the
+    figure in place (an IPython display handle), so it needs neither anywidget (plotly's FigureWidget) nor
+    an Output widget. Displays; returns the slider.
     """
     import ipywidgets as widgets
     from IPython.display import display
@@ -58,16 +60,18 @@ def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float 
     slider = widgets.FloatLogSlider(value=delta, base=10, min=math.log10(delta_min), max=math.log10(delta_max),
                                     step=0.05, description="Δ", continuous_update=False, readout_format=".3g",
                                     layout=widgets.Layout(width="60%"))
-    out = widgets.Output()
 
-    def draw(dt):
-        out.clear_output(wait=True)
-        with out:
-            display(memory_kernel_figure([dt], A, length))
+    def bundle(dt):
+        # The two forms mambalab.viz.notebook.setup() has figures display in: plotly's JSON (drawn by
+        # JupyterLab) and HTML that calls the plotly.js setup() embedded (kept by nbconvert's HTML export).
+        fig = memory_kernel_figure([dt], A, length)
+        return {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
+                "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
 
-    slider.observe(lambda change: draw(change["new"]), names="value")
-    draw(slider.value)
-    return widgets.VBox([slider, out])
+    display(slider)
+    handle = display(bundle(slider.value), raw=True, display_id=True)
+    slider.observe(lambda change: handle.update(bundle(change["new"]), raw=True), names="value")
+    return slider
 
 
 def scan_schedule(length: int, kind: str = "hillis-steele") -> list[list[tuple[int, int]]]:
