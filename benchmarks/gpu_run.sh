@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # What we run on a lent GPU machine (no network there): install the carried wheels, compile mamba-ssm's
-# CUDA extension (our rival) in the background, run the GPU tests, then the benchmarks.
+# CUDA extension (our rival) in the background, run the GPU tests, then the workbook and the benchmark.
 #   carried: .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
-#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, bench (with the tile sweep), notebooks
+#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep)
+#   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
@@ -15,12 +16,15 @@ EXT_DIR=/tmp/mamba_ext
 nvidia-smi -L
 (python3 benchmarks/mamba_cuda_ext.py "$SDIST" "$EXT_DIR" >"$OUT/ext_build.log" 2>&1; echo "ext build rc=$?" >>"$OUT/ext_build.log") &
 build_pid=$!
+ext_ready() { wait $build_pid 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:$EXT_DIR; }
 for step in "$@"; do
+  echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/test_selective_scan.py 2>&1 | tail -15 ;;
-    bench) wait $build_pid; python3 benchmarks/bench_selective_scan.py --sweep --mamba-sdist "$SDIST" \
-             --mamba-build-dir "$EXT_DIR" --out "$OUT/selective_scan.json" ;;
-    notebooks) python3 -m mambalab workbook --output-dir "$OUT/workbook" ;;
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py tests/test_mamba1.py 2>&1 | tail -8
+           ext_ready
+           python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py -k cuda_kernel 2>&1 | tail -3 ;;
+    notebooks) ext_ready; timeout 400 python3 -m mambalab workbook --output-dir "$OUT/wb" 2>&1 | tail -15 ;;
+    bench) ext_ready; python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan.json" 2>&1 | tail -12 ;;
     *) echo "unknown step $step" ;;
   esac
 done

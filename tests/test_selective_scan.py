@@ -128,12 +128,17 @@ def test_batch_invariance():
 
 
 def test_tile_rule():
-    assert kernels.tile_config(6, 16).bwd_block_d == 2      # divides the 6 channels of a group
-    assert kernels.tile_config(3, 5).block_d == kernels.tile_config(3, 5).bwd_block_d == 1
-    assert kernels.tile_config(3, 5).block_n == 8
-    big = kernels.tile_config(2048, 16)
+    assert kernels.tile_config(6, 16, 100).bwd_block_d == 2      # divides the 6 channels of a group
+    assert kernels.tile_config(3, 5, 100).block_d == kernels.tile_config(3, 5, 100).bwd_block_d == 1
+    assert kernels.tile_config(3, 5, 100).block_n == 8
+    big = kernels.tile_config(2048, 16, 8192)
     assert (big.block_d, big.block_l, big.bwd_block_d, big.bwd_block_l) == (2, 512, 4, 128)
-    assert big.block_l % big.bwd_block_l == 0
+    short = kernels.tile_config(2048, 16, 20)                    # short sequences get short blocks
+    assert (short.block_l, short.bwd_block_l) == (32, 32)
+    assert kernels.tile_config(2048, 16, 1).block_l == 16
+    for l in (1, 17, 100, 300, 1000, 5000):
+        cfg = kernels.tile_config(1024, 16, l)
+        assert cfg.block_l % cfg.bwd_block_l == 0
     with pytest.raises(ValueError, match="multiple of bwd_block_l"):
         kernels.TileConfig(1, 16, 48, 1, 1, 32, 1)
 

@@ -31,7 +31,7 @@ order, so the backward is bitwise reproducible and independent of the GPU it run
 Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, out: (b, d, l), contiguous;
 A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
 Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state is held as BLOCK_D × BLOCK_N), picked by
-:func:`tile_config` from (d // g, n) alone, so results never depend on the batch size or the machine.
+:func:`tile_config` from (d // g, n, l) alone, so results never depend on the batch size or the machine.
 """
 from __future__ import annotations
 
@@ -71,24 +71,26 @@ def _largest_power_of_two_dividing(value: int, at_most: int) -> int:
     return p
 
 
-def tile_config(channels_per_group: int, n: int) -> TileConfig:
-    """The documented tile rule, from the shape alone (never the SM count or an autotuner).
+def tile_config(channels_per_group: int, n: int, l: int) -> TileConfig:
+    """The documented tile rule, from the shape alone (never the SM count, the batch size or an autotuner).
 
     BLOCK_N covers the whole state (next power of two) in the register tile that carries it. BLOCK_D is a
     power of two that divides the channels of one B/C group (so a program reads one group): up to 2 in
     the forward, up to 4 in the backward, where it also sets how many channels each dB/dC partial sums.
-    The forward walks 512 steps a block; the backward 512 / BLOCK_D (128 at BLOCK_D = 4), and the forward
-    saves the state at that interval. One warp a program.
+    The forward walks 512 steps a block (fewer when the whole sequence is shorter: the next power of two
+    at or above l, at least 16); the backward min(512 / BLOCK_D, that), and the forward saves the state
+    at that interval. One warp a program.
 
     Chosen from sweeps on an H200 (benchmarks/results/*selective_scan*sweep*.json: b=8, d=2048, n=16,
     l=2048, bf16): one warp beat 2 and 4 at every tile size; forward alone was fastest at 512 steps,
     forward+backward at (BLOCK_D, BLOCK_L) = (4, 128), then (2, 256), then (1, 512).
     """
     block_n = triton.next_power_of_2(max(n, 1))
+    block_l = min(512, max(16, triton.next_power_of_2(max(l, 1))))
     bwd_block_d = _largest_power_of_two_dividing(channels_per_group, 4)
     return TileConfig(block_d=_largest_power_of_two_dividing(channels_per_group, 2), block_n=block_n,
-                      block_l=512, num_warps=1, bwd_block_d=bwd_block_d, bwd_block_l=512 // bwd_block_d,
-                      bwd_num_warps=1)
+                      block_l=block_l, num_warps=1, bwd_block_d=bwd_block_d,
+                      bwd_block_l=min(512 // bwd_block_d, block_l), bwd_num_warps=1)
 
 
 @triton.jit
@@ -329,7 +331,7 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg:
     """
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
-    cfg = cfg or tile_config(d // g, n)
+    cfg = cfg or tile_config(d // g, n, l)
     for name in ("block_d", "bwd_block_d"):
         if (d // g) % getattr(cfg, name):
             raise ValueError(f"{name}={getattr(cfg, name)} must divide the channels per group, {d // g}")
