@@ -3,7 +3,7 @@
 # CUDA extension (our rival) in the background, run the GPU tests, then the workbook and the benchmark.
 #   carried: .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
-#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep)
+#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep
 #   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -11,6 +11,7 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+export JUPYTER_PATH=/tmp/site/share/jupyter   # nbconvert's templates, installed with --target
 SDIST=$(ls .carry/mamba_ssm-*.tar.gz)
 EXT_DIR=/tmp/mamba_ext
 nvidia-smi -L
@@ -25,6 +26,7 @@ for step in "$@"; do
            python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py -k cuda_kernel 2>&1 | tail -3 ;;
     notebooks) ext_ready; timeout 400 python3 -m mambalab workbook --output-dir "$OUT/wb" 2>&1 | tail -15 ;;
     bench) ext_ready; python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan.json" 2>&1 | tail -12 ;;
+    bench-nosweep) ext_ready; python3 benchmarks/bench_selective_scan.py --out "$OUT/selective_scan.json" 2>&1 | tail -6 ;;
     *) echo "unknown step $step" ;;
   esac
 done
