@@ -111,6 +111,19 @@ def _delta_at(delta_ptrs, mask, bias, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.const
 
 
 @triton.jit
+def _channel_params(bias_ptr, D_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+    """delta_bias and D for this program's channels in fp32 (zeros when absent), each (BLOCK_D,)."""
+    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    if HAS_D:
+        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    return bias, Dv
+
+
+@triton.jit
 def _column(tile, offs_n, i):
     """Column i of a (BLOCK_D, BLOCK_N) register tile, as (BLOCK_D,)."""
     return tl.sum(tl.where(offs_n[None, :] == i, tile, 0.0), axis=1)
@@ -146,12 +159,7 @@ def selective_scan_fwd_kernel(
     mask_dn = mask_d[:, None] & (offs_n < n)[None, :]
     group = (pid_d * BLOCK_D) // (d // g)
 
-    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    bias, Dv = _channel_params(bias_ptr, D_ptr, offs_d, mask_d, HAS_BIAS, HAS_D, BLOCK_D)
 
     row = (pid_b * d + offs_d).to(tl.int64) * l                 # (BLOCK_D,) start of each channel's row
     bc_base = ((pid_b * g + group) * n).to(tl.int64) * l        # start of this group's B/C rows
@@ -226,12 +234,7 @@ def selective_scan_bwd_kernel(
     mask_dn = mask_d[:, None] & (offs_n < n)[None, :]
     group = (pid_d * BLOCK_D) // (d // g)
 
-    bias = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    Dv = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    if HAS_D:
-        Dv = tl.load(D_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    bias, Dv = _channel_params(bias_ptr, D_ptr, offs_d, mask_d, HAS_BIAS, HAS_D, BLOCK_D)
 
     row = (pid_b * d + offs_d).to(tl.int64) * l
     bc_base = ((pid_b * g + group) * n).to(tl.int64) * l
