@@ -11,7 +11,7 @@ Math (per batch row, channel d, state index n; see :mod:`mambalab.ref.selective_
 
 so inside a block of ``BLOCK_L`` time steps all prefixes come from one ``tl.associative_scan`` (parallel,
 log-depth), and the state carried in from the previous block enters as h_t = A*_t h_in + B*_t. Blocks are
-walked in order, and the state at each block's start is saved (``states``) for the backward.
+walked in order, and the state is saved (``states``) at the start of every backward block for the backward.
 
 **Backward.** With g_t = ∂L/∂h_t (the adjoint of the state, counting all later steps) and dy_t the
 gradient reaching y_t:
