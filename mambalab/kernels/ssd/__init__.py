@@ -1,0 +1,25 @@
+"""Mamba-2's SSD (chunked scan) as Triton kernels, one file per step; forward only so far.
+
+Semantics are mamba-ssm's ``mamba_chunk_scan_combined``; the math of each step is in its file, and each
+step is checked against the matching step of :mod:`mambalab.ref.ssd`:
+
+    chunk_cumsum   step 0: Δ = clamp(softplus?(dt + dt_bias), dt_limit), cs = within-chunk cumsum of Δ A
+    chunk_states   step 1: S_c = Σ_s exp(cs_last - cs_s) Δ_s x_s B_sᵀ            (ref: chunk_states)
+    state_passing  step 2: H_{c+1} = exp(cs_last,c) H_c + S_c                      (ref: state_passing)
+    chunk_scan     step 3: Y = (L ∘ C Bᵀ)(Δ X) + exp(cs) C Hᵀ + D x, ⊙ silu(z)   (ref: chunk_diagonal_outputs
+                           + chunk_state_outputs)
+    forward        the four launched in order: :func:`ssd_chunk_scan_fwd`
+    tiles          the tile rule (shape only)
+
+Layouts: x, z, out (b, l, h, p); dt (b, l, h); B, C (b, l, g, n); per-chunk fp32 tensors Δ and cs are
+(b, h, c, q), states (b, c, h, p, n).
+"""
+from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_fwd
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_fwd
+from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
+from mambalab.kernels.ssd.forward import SSDForward, ssd_chunk_scan_fwd
+from mambalab.kernels.ssd.state_passing import state_passing_fwd
+from mambalab.kernels.ssd.tiles import TileConfig, tile_config
+
+__all__ = ["SSDForward", "TileConfig", "chunk_cumsum_fwd", "chunk_scan_fwd", "chunk_states_fwd",
+           "ssd_chunk_scan_fwd", "state_passing_fwd", "tile_config"]

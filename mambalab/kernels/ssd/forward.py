@@ -1,0 +1,55 @@
+"""The SSD forward: the four steps launched in order, returning what a backward will need.
+
+    step 0  chunk_cumsum   Δ, cs                 (b, h, c, q)
+    step 1  chunk_states   S                     (b, c, h, p, n)
+    step 2  state_passing  H (entering), final   (b, c, h, p, n), (b, h, p, n)
+    step 3  chunk_scan     out                   (b, l, h, p)
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_fwd
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_fwd
+from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
+from mambalab.kernels.ssd.state_passing import state_passing_fwd
+from mambalab.kernels.ssd.tiles import TileConfig, tile_config
+
+
+class SSDForward(NamedTuple):
+    """The forward's results. Everything but ``out`` is fp32."""
+
+    out: torch.Tensor              # (b, l, h, p) in x's dtype
+    final_states: torch.Tensor     # (b, h, p, n): the state after the last step
+    delta: torch.Tensor            # (b, h, c, q): Δ = clamp(softplus?(dt + dt_bias)), 0 on padding
+    dA_cumsum: torch.Tensor        # (b, h, c, q): cs, the within-chunk cumsum of Δ A
+    chunk_states: torch.Tensor     # (b, c, h, p, n): S, each chunk's state from zero
+    entering_states: torch.Tensor  # (b, c, h, p, n): H_in, the state entering each chunk
+    tiles: TileConfig
+
+
+def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                       dt_softplus=False, dt_limit=(0.0, float("inf")), cfg: TileConfig | None = None,
+                       dot_precision: str | None = None) -> SSDForward:
+    """Launch the SSD forward on validated, contiguous tensors (see :mod:`mambalab.ops.ssd`).
+
+    x, z: (b, l, h, p); dt: (b, l, h); A: (h,) fp32; B, C: (b, l, g, n); D: (h,) or (h, p); dt_bias: (h,);
+    initial_states: (b, h, p, n) fp32. ``cfg`` overrides the tile rule (tests only: tiles fix the order of
+    additions). ``dot_precision`` is tl.dot's input_precision: by default "ieee" (exact fp32) when x is fp32,
+    and Triton's default "tf32" otherwise, where it changes nothing (fp16/bf16 operands); "tf32" for fp32
+    inputs is faster on a GPU, at about 1e-3 relative error.
+    """
+    if dot_precision is None:
+        dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    b, l, h, p = x.shape
+    n = B.shape[3]
+    cfg = cfg or tile_config(h, p, n, chunk_size)
+    if cfg.chunk_size != chunk_size:
+        raise ValueError(f"the tiles are for chunk_size={cfg.chunk_size}, not {chunk_size}")
+    delta, cs = chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg)
+    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
+    entering, final = state_passing_fwd(states, cs, initial_states, cfg)
+    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision)
+    return SSDForward(out, final, delta, cs, states, entering, cfg)

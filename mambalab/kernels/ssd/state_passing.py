@@ -1,0 +1,68 @@
+"""SSD forward, step 2: the recurrence over chunks, giving the state that enters every chunk.
+
+Math (per batch row and head; S_c from step 1, cs from step 0):
+
+    H_0 = initial_states (or 0)
+    H_{c+1} = exp(cs_{c, q-1}) H_c + S_c          cs_{c, q-1}: the whole chunk's log-decay
+
+H_c is the state entering chunk c (what :func:`mambalab.ref.ssd.state_passing` calls ``entering``); H_C, after
+the last chunk, is the final state. This is the only sequential part of SSD: C steps, not l. Every (p, n)
+element evolves on its own, so the state is flattened to p·n and split into blocks of BLOCK_PN.
+
+Shapes: states (b, c, h, p, n) fp32; cs (b, h, c, q) fp32; initial_states (b, h, p, n) fp32
+-> entering states (b, c, h, p, n) fp32, final states (b, h, p, n) fp32.
+One program: (batch row, head, block of BLOCK_PN state elements), walking the chunks in order.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mambalab.kernels.ssd.tiles import TileConfig
+
+
+@triton.jit
+def state_passing_fwd_kernel(
+    states_ptr,       # (b, c, h, p·n) fp32: each chunk's own state, from step 1
+    cs_ptr,           # (b, h, c, q) fp32: within-chunk cumsum; position q-1 is the chunk's decay
+    init_ptr,         # (b, h, p·n) fp32 initial states, or a dummy
+    entering_ptr,     # (b, c, h, p·n) fp32 out: the state entering each chunk
+    final_ptr,        # (b, h, p·n) fp32 out: the state after the last chunk
+    h, pn, c,         # sizes (pn = p·n)
+    HAS_INIT: tl.constexpr,
+    BLOCK_PN: tl.constexpr,   # state elements per program
+    Q: tl.constexpr,          # chunk size
+):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_e = tl.program_id(2)
+    offs = pid_e * BLOCK_PN + tl.arange(0, BLOCK_PN)
+    mask = offs < pn
+    bh = pid_b * h + pid_h
+
+    running = tl.zeros((BLOCK_PN,), dtype=tl.float32)
+    if HAS_INIT:
+        running = tl.load(init_ptr + bh.to(tl.int64) * pn + offs, mask=mask, other=0.0).to(tl.float32)
+    for ci in range(0, c):
+        at = ((pid_b * c + ci) * h + pid_h).to(tl.int64) * pn + offs
+        tl.store(entering_ptr + at, running, mask=mask)
+        decay = tl.exp(tl.load(cs_ptr + (bh * c + ci).to(tl.int64) * Q + Q - 1))   # scalar, ≤ 1 for A ≤ 0
+        running = decay * running + tl.load(states_ptr + at, mask=mask, other=0.0)
+    tl.store(final_ptr + bh.to(tl.int64) * pn + offs, running, mask=mask)
+
+
+def state_passing_fwd(states, cs, initial_states, cfg: TileConfig):
+    """Launch step 2. states (b, c, h, p, n) fp32 contiguous; cs (b, h, c, q) fp32; initial_states
+    (b, h, p, n) fp32 contiguous or None. Returns (entering states (b, c, h, p, n), final states (b, h, p, n)),
+    both fp32."""
+    b, c, h, p, n = states.shape
+    entering = torch.empty_like(states)
+    final = torch.empty(b, h, p, n, device=states.device, dtype=torch.float32)
+    grid = (b, h, triton.cdiv(p * n, cfg.block_pn))
+    state_passing_fwd_kernel[grid](
+        states, cs, initial_states if initial_states is not None else final, entering, final,
+        h, p * n, c,
+        HAS_INIT=initial_states is not None, BLOCK_PN=cfg.block_pn, Q=cfg.chunk_size, num_warps=cfg.num_warps,
+    )
+    return entering, final

@@ -1,0 +1,65 @@
+"""The SSD kernels' tile rule: every block size, from the shape alone.
+
+The rule reads only (h, p, n, q): never the SM count, the batch size, the sequence length or an autotuner,
+so the order of every sum (and so every bit of the results) is the same on every machine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+MIN_DOT = 16  # tl.dot wants every block dimension >= 16 (the CPU interpreter enforces it too)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block sizes shared by the four forward steps."""
+
+    chunk_size: int   # q: steps per chunk (the caller's choice, a power of two >= 16)
+    block_t: int      # chunk positions per step: rows of Y per chunk-scan program, and the step of the
+                      # loops over a chunk's positions (chunk states' sum; chunk scan's s ≤ t)
+    block_h: int      # heads per program in the chunk cumsum
+    block_p: int      # head dimensions per program in chunk states and chunk scan
+    block_n: int      # the whole state dimension, padded (chunk states' output tile is BLOCK_P x BLOCK_N)
+    block_k: int      # state dimensions per step of the chunk scan's loop over n (its dot products)
+    block_pn: int     # state elements (p·n, flattened) per program in state passing
+    num_warps: int
+
+    def __post_init__(self):
+        for name in ("block_t", "block_p", "block_n", "block_k"):
+            if getattr(self, name) < MIN_DOT:
+                raise ValueError(f"{name}={getattr(self, name)} must be at least {MIN_DOT} (tl.dot)")
+        if self.chunk_size < MIN_DOT or self.chunk_size & (self.chunk_size - 1):
+            raise ValueError(f"chunk_size={self.chunk_size} must be a power of two >= {MIN_DOT}")
+        if self.chunk_size % self.block_t or self.block_t & (self.block_t - 1):
+            raise ValueError(f"block_t={self.block_t} must be a power of two dividing chunk_size={self.chunk_size}")
+        if self.block_n % self.block_k:
+            raise ValueError(f"block_k={self.block_k} must divide block_n={self.block_n}")
+
+
+def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
+    """The documented rule:
+
+    * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
+    * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
+    * BLOCK_P  = min(64, next_pow2(p)), >= 16   head dimensions per program (p-blocks of chunk states/scan)
+    * BLOCK_N  = next_pow2(n), >= 16            the whole state, so a chunk's state is one tile
+    * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
+    * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
+    * 4 warps a program.
+
+    Untuned: a first choice that keeps every tile a power of two and every dot legal. Tuning it on a GPU
+    means changing this function (and recording why here), never adding an autotuner.
+    """
+    block_n = max(MIN_DOT, triton.next_power_of_2(n))
+    return TileConfig(
+        chunk_size=chunk_size,
+        block_t=min(64, chunk_size),
+        block_h=min(16, triton.next_power_of_2(h)),
+        block_p=max(MIN_DOT, min(64, triton.next_power_of_2(p))),
+        block_n=block_n,
+        block_k=min(64, block_n),
+        block_pn=min(1024, triton.next_power_of_2(p * n)),
+        num_warps=4,
+    )
