@@ -15,30 +15,14 @@ from mambalab.ops.ssd import ssd_chunk_scan_forward
 from mambalab.ref.ssd import (chunk_diagonal_outputs, chunk_state_outputs, chunk_states, effective_dt,
                               split_into_chunks, ssd_ref, state_passing)
 
-from conftest import KERNEL_DEVICE, requires_gpu
+from conftest import KERNEL_DEVICE, make_ssd_inputs, requires_gpu
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
-def make_inputs(b, l, h, p, g, n, *, D="h", z=True, bias=True, init=True, dtype=torch.float32, seed=0,
-                device=KERNEL_DEVICE):
-    """Random inputs in mamba_chunk_scan_combined's layout. D: None, "h" for (h,) or "hp" for (h, p).
-    dt is positive, so it means the same with and without softplus."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)
-    x = {
-        "x": r(b, l, h, p),
-        "dt": 0.05 + 0.45 * torch.rand(b, l, h, generator=gen),
-        "A": -(0.5 + torch.rand(h, generator=gen)),
-        "B": r(b, l, g, n),
-        "C": r(b, l, g, n),
-        "D": {None: None, "h": r(h), "hp": r(h, p)}[D],
-        "z": r(b, l, h, p) if z else None,
-        "dt_bias": 0.1 * r(h) if bias else None,
-        "initial_states": r(b, h, p, n) if init else None,
-    }
-    return {k: (v.to(device=device, dtype=dtype if k in ("x", "B", "C", "z") else v.dtype) if v is not None
-                else None) for k, v in x.items()}
+def make_inputs(*shape, device=KERNEL_DEVICE, **kw):
+    """SSD inputs (see conftest.make_ssd_inputs) with fp32 parameters, on the kernels' device."""
+    return make_ssd_inputs(*shape, param_dtype=torch.float32, device=device, **kw)
 
 
 def cpu(inputs):

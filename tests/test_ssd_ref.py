@@ -11,25 +11,12 @@ from mambalab.ref.ssd import (chunk_diagonal_outputs, chunk_state_outputs, chunk
                               segsum_naive, split_into_chunks, ssd_chunked, ssd_quadratic, ssd_recurrent,
                               ssd_ref, state_passing)
 
+from conftest import make_ssd_inputs
+
 NAMES = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states")
 
 
-def make_inputs(b, l, h, p, g, n, *, D="h", z=True, bias=True, init=True, dtype=torch.float32, seed=0):
-    """Random inputs in mamba_chunk_scan_combined's layout. D: None, "h" for (h,) or "hp" for (h, p).
-    dt is positive, so it means the same with and without softplus."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
-    return {
-        "x": r(b, l, h, p),
-        "dt": 0.05 + 0.45 * torch.rand(b, l, h, generator=gen, dtype=dtype),
-        "A": -(0.5 + torch.rand(h, generator=gen, dtype=dtype)),
-        "B": r(b, l, g, n),
-        "C": r(b, l, g, n),
-        "D": {None: None, "h": r(h), "hp": r(h, p)}[D],
-        "z": r(b, l, h, p) if z else None,
-        "dt_bias": 0.1 * r(h) if bias else None,
-        "initial_states": r(b, h, p, n) if init else None,
-    }
+make_inputs = make_ssd_inputs
 
 
 def run(inputs, dout, dfinal, **kw):
