@@ -1,4 +1,4 @@
-"""Mamba-2's SSD (chunked scan) as Triton kernels, one file per step; forward only so far.
+"""Mamba-2's SSD (chunked scan) as Triton kernels, one file per step, each with its backward.
 
 Semantics are mamba-ssm's ``mamba_chunk_scan_combined``; the math of each step is in its file, and each
 step is checked against the matching step of :mod:`mambalab.ref.ssd`:
@@ -9,17 +9,21 @@ step is checked against the matching step of :mod:`mambalab.ref.ssd`:
     chunk_scan     step 3: Y = (L ∘ C Bᵀ)(Δ X) + exp(cs) C Hᵀ + D x, ⊙ silu(z)   (ref: chunk_diagonal_outputs
                            + chunk_state_outputs)
     forward        the four launched in order: :func:`ssd_chunk_scan_fwd`
+    backward       the steps' backwards in reverse order: :func:`ssd_chunk_scan_bwd`, with
+                   ``reduction="atomic"`` or ``"deterministic"`` for every sum over programs
     tiles          the tile rule (shape only)
 
 Layouts: x, z, out (b, l, h, p); dt (b, l, h); B, C (b, l, g, n); per-chunk fp32 tensors Δ and cs are
 (b, h, c, q), states (b, c, h, p, n).
 """
-from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_fwd
-from mambalab.kernels.ssd.chunk_scan import chunk_scan_fwd
+from mambalab.kernels.ssd.backward import REDUCTIONS, SSDGrads, ssd_chunk_scan_bwd
+from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd, chunk_cumsum_fwd
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_bwd_dstates, chunk_scan_fwd
 from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
 from mambalab.kernels.ssd.forward import SSDForward, ssd_chunk_scan_fwd
-from mambalab.kernels.ssd.state_passing import state_passing_fwd
-from mambalab.kernels.ssd.tiles import TileConfig, tile_config
+from mambalab.kernels.ssd.state_passing import state_passing_bwd, state_passing_fwd
+from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p, tile_config
 
-__all__ = ["SSDForward", "TileConfig", "chunk_cumsum_fwd", "chunk_scan_fwd", "chunk_states_fwd",
-           "ssd_chunk_scan_fwd", "state_passing_fwd", "tile_config"]
+__all__ = ["REDUCTIONS", "SSDForward", "SSDGrads", "TileConfig", "backward_block_p", "chunk_cumsum_bwd",
+           "chunk_cumsum_fwd", "chunk_scan_bwd", "chunk_scan_bwd_dstates", "chunk_scan_fwd", "chunk_states_fwd",
+           "ssd_chunk_scan_bwd", "ssd_chunk_scan_fwd", "state_passing_bwd", "state_passing_fwd", "tile_config"]

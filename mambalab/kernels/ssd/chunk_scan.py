@@ -18,6 +18,8 @@ for each block of BLOCK_T columns s up to the diagonal, C Bᵀ (BLOCK_T × BLOCK
 Shapes: x, z, out (b, l, h, p); C, B (b, l, g, n), head i reading group i // (h // g); Δ, cs (b, h, c, q) fp32;
 entering (b, c, h, p, n) fp32; D (h,) or (h, p). out is written in x's dtype, padding positions skipped.
 One program: (batch row, chunk, head, block of BLOCK_T rows, block of BLOCK_P head dimensions).
+
+Backward (below the forward): this step's and step 1's (chunk states), in one kernel; the math is written there.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mambalab.kernels.ssd.tiles import TileConfig
+from mambalab.kernels.reduce import sum_partials
+from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p
 
 
 @triton.jit
@@ -134,3 +137,315 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
         num_warps=cfg.num_warps,
     )
     return out
+
+
+# ---------------------------------------------------------------------------------------------- backward
+# Math. Per chunk (rows t, columns s of the chunk; dY_t = dout_t ⊙ silu(z_t), or dout_t without z;
+# L_ts = exp(cs_t - cs_s) for s ≤ t, else 0; CB_ts = C_t · B_s; dYx_ts = dY_t · x_s):
+#
+#   the gate      dz_t  = dout_t ⊙ Y_t ⊙ σ(z_t)(1 + z_t(1 - σ(z_t)))       (Y recomputed, pre-gate)
+#   the skip      dx_t += D dY_t,  dD += Σ_t dY_t ⊙ x_t  (summed over p too when D is (h,))
+#   the state in  dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ                     (p, n)   -> state passing's backward
+#                 dC_t += exp(cs_t) H_cᵀ dY_t,   dcs_t += exp(cs_t) dY_t · (H_c C_t)
+#   the diagonal  dC_t += Σ_{s ≤ t} L_ts Δ_s dYx_ts B_s
+#                 dB_s += Δ_s Σ_{t ≥ s} L_ts dYx_ts C_t
+#                 dx_s += Δ_s Σ_{t ≥ s} L_ts CB_ts dY_t
+#                 dΔ_s += Σ_{t ≥ s} L_ts CB_ts dYx_ts
+#                 M_ts = L_ts CB_ts Δ_s dYx_ts:  dcs_t += Σ_s M_ts,  dcs_s -= Σ_t M_ts
+# and step 1's (chunk states) backward, given dS_c from state passing (w_s = exp(cs_{q-1} - cs_s) Δ_s):
+#                 dx_s += w_s dS_c B_s,  dB_s += w_s dS_cᵀ x_s,  with dw_s = x_sᵀ dS_c B_s:
+#                 dΔ_s += exp(cs_{q-1} - cs_s) dw_s,  dcs_s -= w_s dw_s,  dcs_{q-1} += Σ_s w_s dw_s
+# Steps 1 and 3 share one kernel because both walk the same positions with the same x, B, Δ, cs.
+#
+# One program: (batch row, chunk, head), the whole head dimension and state (tiles.backward_block_p,
+# BLOCK_N), so sums over p and n stay inside it. Pass 1 walks the rows t (dz, dC, the row part of dcs, dD);
+# pass 2 the columns s (dx, dB, dΔ, the column part of dcs); each output is written once, by one pass.
+# Sums over programs: dB and dC over the heads of a group (g < h), dD over batch rows and chunks. With
+# REDUCE_ATOMIC they go into zeroed fp32 buffers by tl.atomic_add; otherwise each program writes its own
+# slot (dB, dC per head (b, l, h, n); dD (h, b·c, p or 1)) and sum_partials folds them.
+
+
+@triton.jit
+def chunk_scan_bwd_dstates_kernel(
+    dout_ptr,         # (b, l, h, p) gradient of out
+    z_ptr,            # (b, l, h, p) gate, or a dummy
+    C_ptr,            # (b, l, g, n)
+    cs_ptr,           # (b, h, c, q) fp32
+    dH_ptr,           # (b, c, h, p, n) fp32 out: dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ
+    h, p, n, l, g, c,
+    HAS_Z: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    head = tl.program_id(2)
+    group = head // (h // g)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < p
+    mask_n = offs_n < n
+    dot_ty = C_ptr.dtype.element_ty
+    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
+    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for t0 in range(0, Q, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = pid_c * Q + offs_t < l
+        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+        mask_tp = mask_t[:, None] & mask_p[None, :]
+        dY = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        if HAS_Z:
+            zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+            dY = dY * zz * tl.sigmoid(zz)
+        Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
+        dYe = (dY * tl.exp(tl.load(cs_ptr + chunk + offs_t))[:, None]).to(dot_ty)
+        acc += tl.dot(tl.trans(dYe), Ct.to(dot_ty), input_precision=DOT_PRECISION)
+    out = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
+    tl.store(dH_ptr + out, acc, mask=mask_p[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
+    """dY = dout ⊙ silu(z) (or dout) at ``ptrs``, fp32."""
+    dY = tl.load(dout_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zz = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        dY = dY * zz * tl.sigmoid(zz)
+    return dY
+
+
+@triton.jit
+def chunk_scan_bwd_kernel(
+    x_ptr,            # (b, l, h, p)
+    B_ptr,            # (b, l, g, n)
+    C_ptr,            # (b, l, g, n)
+    delta_ptr,        # (b, h, c, q) fp32 Δ
+    cs_ptr,           # (b, h, c, q) fp32
+    entering_ptr,     # (b, c, h, p, n) fp32 H_c
+    dstates_ptr,      # (b, c, h, p, n) fp32 dS_c, from state passing's backward
+    D_ptr,            # (h,) or (h, p), or a dummy
+    z_ptr,            # (b, l, h, p), or a dummy
+    dout_ptr,         # (b, l, h, p)
+    dx_ptr,           # (b, l, h, p) out, x's dtype
+    dz_ptr,           # (b, l, h, p) out (or a dummy)
+    dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dC_ptr,           # like dB_ptr
+    ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
+    dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
+    dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
+    dcs_last_ptr,     # (b, h, c) fp32 out: extra dcs at the chunk's last position (from chunk states)
+    dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c, p or 1) partials; or a dummy
+    h, p, n, l, g, c, n_chunks_total,   # n_chunks_total = b·c
+    HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    head = tl.program_id(2)
+    group = head // (h // g)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < p
+    mask_n = offs_n < n
+    dot_ty = x_ptr.dtype.element_ty
+    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
+    cs_last = tl.load(cs_ptr + chunk + Q - 1)
+    pn = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
+    mask_pn = mask_p[:, None] & mask_n[None, :]
+    Hc = tl.load(entering_ptr + pn, mask=mask_pn, other=0.0).to(dot_ty)            # (BP, BN)
+    dS = tl.load(dstates_ptr + pn, mask=mask_pn, other=0.0).to(dot_ty)             # (BP, BN)
+    if HAS_D:
+        if D_PER_DIM:
+            Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + head).to(tl.float32)
+    dD_acc = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
+    if REDUCE_ATOMIC:
+        BC_HEADS = g            # dB/dC rows are per group
+        bc_col = group
+    else:
+        BC_HEADS = h            # per head, summed over the group's heads afterwards
+        bc_col = head
+
+    # Pass 1: rows t. dz, dC, dcs (row part), dD.
+    for t0 in range(0, Q, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = pid_c * Q + offs_t < l
+        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+        mask_tp = mask_t[:, None] & mask_p[None, :]
+        mask_tn = mask_t[:, None] & mask_n[None, :]
+        Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
+        cs_t = tl.load(cs_ptr + chunk + offs_t)
+        e_t = tl.exp(cs_t)
+        dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        dY = dout
+        if HAS_Z:
+            zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(zz)
+            dY = dout * zz * sig
+        CH = tl.dot(Ct.to(dot_ty), tl.trans(Hc), input_precision=DOT_PRECISION)     # (BT, BP): H_c C_t
+        y = e_t[:, None] * CH
+        dcs_row = e_t * tl.sum(dY * CH, axis=1)
+        dC = e_t[:, None] * tl.dot(dY.to(dot_ty), Hc, input_precision=DOT_PRECISION)   # (BT, BN)
+        for s0 in range(0, t0 + BLOCK_T, BLOCK_T):
+            offs_s = s0 + tl.arange(0, BLOCK_T)
+            mask_s = pid_c * Q + offs_s < l
+            row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+            Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
+                         mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
+            xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
+                         mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
+            cs_s = tl.load(cs_ptr + chunk + offs_s)
+            delta_s = tl.load(delta_ptr + chunk + offs_s)
+            causal = offs_t[:, None] >= offs_s[None, :]
+            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))
+            CB = tl.dot(Ct.to(dot_ty), tl.trans(Bs), input_precision=DOT_PRECISION)          # (BT, BT)
+            if HAS_Z:
+                y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)
+            dYx = tl.dot(dY.to(dot_ty), tl.trans(xs), input_precision=DOT_PRECISION)         # (BT, BT)
+            Mw = L * dYx * delta_s[None, :]
+            dC += tl.dot(Mw.to(dot_ty), Bs, input_precision=DOT_PRECISION)
+            dcs_row += tl.sum(Mw * CB, axis=1)
+        x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        if HAS_D:
+            dD_acc += dY * x_t
+            y += x_t * Dv
+        if HAS_Z:
+            dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
+            tl.store(dz_ptr + tp, dz.to(dz_ptr.dtype.element_ty), mask=mask_tp)
+        bc = (row_t[:, None] * BC_HEADS + bc_col) * n + offs_n[None, :]
+        if REDUCE_ATOMIC:
+            tl.atomic_add(dC_ptr + bc, dC, mask=mask_tn)
+        else:
+            tl.store(dC_ptr + bc, dC, mask=mask_tn)
+        tl.store(dcs_row_ptr + chunk + offs_t, dcs_row)
+
+    if HAS_D:
+        if D_PER_DIM:
+            dD = tl.sum(dD_acc, axis=0)                                                   # (BP,)
+            if REDUCE_ATOMIC:
+                tl.atomic_add(dD_ptr + head * p + offs_p, dD, mask=mask_p)
+            else:
+                slot = (head * n_chunks_total + pid_b * c + pid_c).to(tl.int64) * p
+                tl.store(dD_ptr + slot + offs_p, dD, mask=mask_p)
+        else:
+            dD = tl.sum(tl.sum(dD_acc, axis=1), axis=0)
+            if REDUCE_ATOMIC:
+                tl.atomic_add(dD_ptr + head, dD)
+            else:
+                tl.store(dD_ptr + (head * n_chunks_total + pid_b * c + pid_c).to(tl.int64), dD)
+
+    # Pass 2: columns s. dx, dB, dΔ, dcs (column part), and step 1's backward.
+    dcs_last = tl.sum(tl.zeros((BLOCK_T,), dtype=tl.float32), axis=0)
+    for s0 in range(0, Q, BLOCK_T):
+        offs_s = s0 + tl.arange(0, BLOCK_T)
+        mask_s = pid_c * Q + offs_s < l
+        row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+        sp = (row_s[:, None] * h + head) * p + offs_p[None, :]
+        mask_sp = mask_s[:, None] & mask_p[None, :]
+        mask_sn = mask_s[:, None] & mask_n[None, :]
+        Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], mask=mask_sn, other=0.0).to(dot_ty)
+        xs = tl.load(x_ptr + sp, mask=mask_sp, other=0.0)
+        cs_s = tl.load(cs_ptr + chunk + offs_s)
+        delta_s = tl.load(delta_ptr + chunk + offs_s)
+        # chunk states: S_c = Σ_s w_s x_s B_sᵀ
+        w_e = tl.exp(cs_last - cs_s)
+        w = w_e * delta_s
+        dSB = tl.dot(Bs, tl.trans(dS), input_precision=DOT_PRECISION)                  # (BT, BP): dS_c B_s
+        dx = w[:, None] * dSB
+        dB = w[:, None] * tl.dot(xs.to(dot_ty), dS, input_precision=DOT_PRECISION)     # (BT, BN)
+        dw = tl.sum(xs.to(tl.float32) * dSB, axis=1)
+        ddelta = w_e * dw
+        dcs_col = -w * dw
+        dcs_last += tl.sum(w * dw, axis=0)
+        # the diagonal blocks: rows t ≥ s
+        for t0 in range(s0, Q, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            mask_t = pid_c * Q + offs_t < l
+            row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+            tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+            dY = _gated_grad(dout_ptr, z_ptr, tp, mask_t[:, None] & mask_p[None, :], HAS_Z).to(dot_ty)
+            Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
+                         mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
+            cs_t = tl.load(cs_ptr + chunk + offs_t)
+            causal = offs_t[:, None] >= offs_s[None, :]
+            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))   # (BT rows t, BT cols s)
+            LCB = L * tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
+            dYx = tl.dot(dY, tl.trans(xs.to(dot_ty)), input_precision=DOT_PRECISION)
+            dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
+            dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
+            G = tl.sum(LCB * dYx, axis=0)                                                  # (BT,) per column s
+            ddelta += G
+            dcs_col -= delta_s * G
+        if HAS_D:
+            dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
+        tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
+        bc = (row_s[:, None] * BC_HEADS + bc_col) * n + offs_n[None, :]
+        if REDUCE_ATOMIC:
+            tl.atomic_add(dB_ptr + bc, dB, mask=mask_sn)
+        else:
+            tl.store(dB_ptr + bc, dB, mask=mask_sn)
+        tl.store(ddelta_ptr + chunk + offs_s, ddelta)
+        tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
+    tl.store(dcs_last_ptr + ((pid_b * h + head) * c + pid_c).to(tl.int64), dcs_last)
+
+
+def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precision: str = "ieee"):
+    """dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ for every chunk: (b, c, h, p, n) fp32."""
+    b, l, h, _ = dout.shape
+    g, n = C.shape[2], C.shape[3]
+    c, q = cs.shape[2], cs.shape[3]
+    dH = torch.empty(b, c, h, p, n, device=dout.device, dtype=torch.float32)
+    chunk_scan_bwd_dstates_kernel[(b, c, h)](
+        dout, z if z is not None else dout, C, cs, dH,
+        h, p, n, l, g, c,
+        HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
+        DOT_PRECISION=dot_precision, num_warps=cfg.num_warps,
+    )
+    return dH
+
+
+def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
+                   dot_precision: str = "ieee"):
+    """Launch the chunk backward (steps 3 and 1). Returns (dx in x's dtype, dz or None, dB, dC (b, l, g, n)
+    fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col (b, h, c, q) fp32, dcs_last (b, h, c) fp32)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    c, q = delta.shape[2], delta.shape[3]
+    atomic = reduction == "atomic"
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dx = torch.empty_like(x)
+    dz = torch.empty_like(z) if z is not None else None
+    bc_shape = (b, l, g, n) if atomic else (b, l, h, n)
+    dB = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
+    dC = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
+    ddelta = torch.empty(b, h, c, q, **f32)
+    dcs_row = torch.empty_like(ddelta)
+    dcs_col = torch.empty_like(ddelta)
+    dcs_last = torch.empty(b, h, c, **f32)
+    dD = None
+    if D is not None:
+        pd = p if D.dim() == 2 else 1
+        dD = torch.zeros(h, pd, **f32) if atomic else torch.empty(h, b * c, pd, **f32)
+    chunk_scan_bwd_kernel[(b, c, h)](
+        x, B, C, delta, cs, entering, dstates,
+        D if D is not None else x, z if z is not None else x, dout,
+        dx, dz if dz is not None else dx, dB, dC, ddelta, dcs_row, dcs_col, dcs_last,
+        dD if dD is not None else ddelta,
+        h, p, n, l, g, c, b * c,
+        HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic,
+        BLOCK_T=cfg.block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
+        num_warps=cfg.num_warps,
+    )
+    if not atomic and g < h:   # fold the heads of each group, in head order
+        dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)
+        dC = sum_partials(dC.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)
+    if dD is not None:
+        if not atomic:
+            dD = sum_partials(dD, dim=1)
+        dD = dD.view(D.shape)
+    return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dcs_last

@@ -10,6 +10,9 @@ S_c = (w ⊙ X_c)ᵀ B_c with w_s = exp(cs_{q-1} - cs_s) Δ_s: tl.dots of (BLOCK
 summed over the chunk's positions BLOCK_T at a time.
 Padding positions (past l) load x = B = 0 and have Δ = 0, so they add nothing.
 
+Backward: in :mod:`mambalab.kernels.ssd.chunk_scan` (``chunk_scan_bwd``), which walks the same positions with
+the same x, B, Δ and cs; its math is written there.
+
 Shapes: x (b, l, h, p), B (b, l, g, n) contiguous, head i reading group i // (h // g); Δ, cs (b, h, c, q) fp32
 -> states (b, c, h, p, n) fp32. One program: (batch row, chunk, head, block of BLOCK_P head dimensions).
 """

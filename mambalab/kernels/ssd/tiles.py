@@ -49,6 +49,10 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
     * 4 warps a program.
 
+    The backward kernels reuse these, and take the whole head and the whole state per program
+    (:func:`backward_block_p` = next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside
+    one program; only sums over programs are reductions (atomic or deterministic).
+
     Untuned: a first choice that keeps every tile a power of two and every dot legal. Tuning it on a GPU
     means changing this function (and recording why here), never adding an autotuner.
     """
@@ -63,3 +67,8 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
         block_pn=min(1024, triton.next_power_of_2(p * n)),
         num_warps=4,
     )
+
+
+def backward_block_p(p: int) -> int:
+    """Head dimensions per backward program: the whole head, next_pow2(p), at least 16 (tl.dot)."""
+    return max(MIN_DOT, triton.next_power_of_2(p))

@@ -1,0 +1,69 @@
+"""The SSD backward: the forward's steps, reversed, from the intermediates it saved (:class:`SSDForward`).
+
+    step 3+1  chunk_scan_bwd_dstates   dH^out_c = Σ_t exp(cs_t) dY_t C_tᵀ        what outputs send to H_c
+    step 2    state_passing_bwd        dS_c, d initial_states, da_c (a chunk's total log-decay)
+    step 3+1  chunk_scan_bwd           dx, dz, dB, dC, dD, dΔ, dcs                  (chunk scan + chunk states)
+    step 0    chunk_cumsum_bwd         ddt, dA, ddt_bias                            (through cumsum, clamp, softplus)
+
+The math of each is in its step's file. Every sum over programs (dA, ddt_bias and dD over batch rows and
+chunks; dB and dC over the heads of a group; da over the state's blocks) is done one of two ways:
+
+* ``reduction="atomic"``: tl.atomic_add into zeroed fp32 buffers, as mamba-ssm's backward does. On a GPU
+  the order of the adds, and so the last bits, vary from run to run.
+* ``reduction="deterministic"``: each program writes its partial to its own slot and
+  :func:`mambalab.kernels.reduce.sum_partials` folds them in an order fixed by the shape alone.
+
+Tiles come from :func:`mambalab.kernels.ssd.tiles.tile_config` (plus the whole head per backward program).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_bwd_dstates
+from mambalab.kernels.ssd.forward import SSDForward
+from mambalab.kernels.ssd.state_passing import state_passing_bwd
+
+REDUCTIONS = ("atomic", "deterministic")
+
+
+class SSDGrads(NamedTuple):
+    """Gradients of the SSD inputs; None where the input was None. dB, dC, dA, dD, ddt_bias, dinitial_states
+    are fp32; dx, dz in x's dtype, ddt in dt's."""
+
+    dx: torch.Tensor
+    ddt: torch.Tensor
+    dA: torch.Tensor
+    dB: torch.Tensor
+    dC: torch.Tensor
+    dD: torch.Tensor | None
+    dz: torch.Tensor | None
+    ddt_bias: torch.Tensor | None
+    dinitial_states: torch.Tensor | None
+
+
+def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=None, dt_bias=None,
+                       has_initial_states=False, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                       reduction: str = "deterministic", dot_precision: str | None = None) -> SSDGrads:
+    """Launch the SSD backward on the forward's (validated, contiguous) inputs and its saved results.
+
+    dout: (b, l, h, p) contiguous, x's dtype; dfinal: (b, h, p, n) fp32 or None (no gradient reaches the
+    final states). ``reduction``: "atomic" or "deterministic" (see the module docstring).
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if dot_precision is None:
+        dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    cfg = fwd.tiles
+    p = x.shape[3]
+    dH_out = chunk_scan_bwd_dstates(dout, z, C, fwd.dA_cumsum, cfg, p, dot_precision)
+    dstates, dinit, da = state_passing_bwd(fwd.entering_states, fwd.dA_cumsum, dH_out, dfinal,
+                                           has_initial_states, cfg, reduction)
+    dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dcs_last = chunk_scan_bwd(
+        dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dstates, D, z, cfg, reduction, dot_precision)
+    dcs_last = dcs_last + da   # two (b, h, c) tensors, elementwise: no reduction order involved
+    ddt, dA, dbias = chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, fwd.delta, ddelta, dcs_row, dcs_col,
+                                      dcs_last, cfg, reduction)
+    return SSDGrads(dx, ddt, dA, dB, dC, dD, dz, dbias, dinit)
