@@ -1,9 +1,12 @@
-"""``ssd_chunk_scan_forward``: Mamba-2's SSD (chunked scan) on Triton kernels, forward only for now.
+"""Mamba-2's SSD (chunked scan) on Triton kernels.
 
-Same arguments, shapes and results as mamba-ssm's ``mamba_chunk_scan_combined`` (without ``seq_idx``,
-``cu_seqlens`` and the varlen outputs). The backward is not written yet: called on inputs that require grad
-while autograd is recording, it raises NotImplementedError rather than returning outputs without a graph.
-Use :func:`mambalab.ref.ssd.ssd_ref` where gradients are needed.
+* :func:`ssd_chunk_scan`: forward and backward (an autograd.Function), drop-in for mamba-ssm's
+  ``mamba_chunk_scan_combined`` (without ``seq_idx``, ``cu_seqlens`` and the varlen outputs); gradients reach
+  x, dt, A, B, C, D, z, dt_bias and initial_states, from out and (when returned) from final_states. Sums over
+  programs in the backward go through ``reduction``: "atomic" or "deterministic" (see
+  :mod:`mambalab.kernels.ssd.backward`).
+* :func:`ssd_chunk_scan_forward`: the forward alone; it raises NotImplementedError rather than returning
+  outputs without a graph when autograd is recording.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from mambalab import validate
 from mambalab.kernels import ssd as _kernels
 
 MIN_CHUNK_SIZE = 16  # tl.dot wants blocks of at least 16
+REDUCTIONS = (None, "atomic", "deterministic")
 
 
 def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
@@ -87,17 +91,25 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
         out (b, l, h, p) in x's dtype, or (out, final_states).
 
     Raises:
-        NotImplementedError: if an input requires grad while autograd is recording (no backward yet).
+        NotImplementedError: if an input requires grad while autograd is recording (this entry point is
+            forward only; :func:`ssd_chunk_scan` has the backward).
     """
     _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
-            "the SSD backward is not implemented yet: ssd_chunk_scan_forward is forward only. Call it under "
-            "torch.no_grad() (or on tensors that do not require grad), or use mambalab.ref.ssd.ssd_ref for "
-            "gradients.")
+            "the SSD backward is not implemented yet in ssd_chunk_scan_forward, which is forward only: use "
+            "mambalab.ops.ssd.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
+    x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
+                                      bool(dt_softplus), tuple(float(v) for v in dt_limit))
+    out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
+    return (out, res.final_states) if return_final_states else out
 
-    def prep(t):  # contiguous rows; on the CPU interpreter, fp32 (its bf16/fp16 arithmetic is wrong)
+
+def _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states):
+    """The kernels' inputs: contiguous rows; on the CPU interpreter, fp32 (its bf16/fp16 arithmetic is wrong)."""
+    def prep(t):
         if t is None:
             return None
         return (t if t.dtype == torch.float32 else t.to(_device.compute_dtype(t.dtype, t.device))).contiguous()
@@ -107,7 +119,66 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     dt_, D_, bias_ = prep(dt), prep(D), prep(dt_bias)
     A_ = A.float().contiguous()
     init_ = initial_states.float().contiguous() if initial_states is not None else None
-    res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
-                                      bool(dt_softplus), tuple(float(v) for v in dt_limit))
-    out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
-    return (out, res.final_states) if return_final_states else out
+    return x_, dt_, A_, B_, C_, D_, z_, bias_, init_
+
+
+class SSDChunkScanFn(torch.autograd.Function):
+    """Forward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_fwd`, saving Δ, cs and the entering states.
+    Backward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_bwd` from d out and d final_states."""
+
+    @staticmethod
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus, dt_limit, reduction):
+        x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
+        res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_, dt_softplus,
+                                          dt_limit)
+        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, res.delta, res.dA_cumsum, res.chunk_states,
+                              res.entering_states, res.final_states)
+        ctx.tiles, ctx.has_init = res.tiles, initial_states is not None
+        ctx.dt_softplus, ctx.dt_limit, ctx.reduction = dt_softplus, dt_limit, reduction
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
+        ctx.set_materialize_grads(False)
+        out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
+        return out, res.final_states
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, states, entering, final = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(x_)
+        dout = dout.to(x_.dtype).contiguous()
+        dfinal = dfinal.float().contiguous() if dfinal is not None else None
+        fwd = _kernels.SSDForward(None, final, delta, cs, states, entering, ctx.tiles)
+        g = _kernels.ssd_chunk_scan_bwd(dout, dfinal, fwd, x_, dt_, A_, B_, C_, D_, z_, bias_, ctx.has_init,
+                                        ctx.dt_softplus, ctx.dt_limit, ctx.reduction)
+        grads = (g.dx, g.ddt, g.dA, g.dB, g.dC, g.dD, g.dz, g.ddt_bias, g.dinitial_states)
+        grads = [None if gr is None or not need else gr.to(dt)
+                 for gr, dt, need in zip(grads, ctx.dtypes, ctx.needs_input_grad)]
+        return (*grads, None, None, None, None)
+
+
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                   dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, reduction=None):
+    """Mamba-2's SSD with gradients; the arguments and results of mamba-ssm's ``mamba_chunk_scan_combined``.
+
+    Per head, with Δ_t = clamp(softplus(dt_t + dt_bias), *dt_limit) (softplus only with ``dt_softplus``):
+
+        s_t = exp(Δ_t A) s_{t-1} + Δ_t x_t B_tᵀ,    y_t = s_t C_t + D x_t,    out_t = y_t ⊙ silu(z_t)
+
+    Arguments as :func:`ssd_chunk_scan_forward`, plus
+
+        reduction: how the backward sums over programs (dA, ddt_bias, dD over batch rows and chunks; dB, dC
+            over the heads of a group): "atomic" (tl.atomic_add, as mamba-ssm; on a GPU the last bits vary
+            from run to run) or "deterministic" (per-program partials folded by
+            :func:`mambalab.kernels.reduce.sum_partials` in an order fixed by the shape: the same bits on
+            every run and machine, and per-row gradients independent of the batch). None: "deterministic".
+
+    Returns out (b, l, h, p) in x's dtype, or (out, final_states (b, h, p, n) fp32); gradients flow from both.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
+    # None means "deterministic" until the library-wide determinism switch (mambalab.determinism) decides it.
+    reduction = reduction or "deterministic"
+    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
+    out, final = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, bool(dt_softplus),
+                                      tuple(float(v) for v in dt_limit), reduction)
+    return (out, final) if return_final_states else out
