@@ -122,6 +122,21 @@ def test_tiles_smaller_than_the_chunk():
             assert_close(gr, want[k], f"{k} ({reduction})")
 
 
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_strong_decay_gradients_stay_finite():
+    """Δ A down to about -5000 a step: every exp in the backward sees a masked, non-positive exponent (numpy's
+    overflow warning, an error here, would say otherwise in the interpreter)."""
+    b, l, h, p, g, n, q = 1, 40, 2, 4, 1, 4, 16
+    inp = make_inputs(b, l, h, p, g, n)
+    inp["A"] = torch.tensor([-1e4, -0.5], device=KERNEL_DEVICE)
+    dout, dfinal = cotangents(b, l, h, p, n)
+    got = grads_of(ssd_chunk_scan, inp, dout, dfinal, chunk_size=q)
+    want = ref_grads(inp, dout, dfinal, chunk_size=q)
+    for k in want:
+        assert torch.isfinite(got[k]).all(), k
+        assert_close(got[k], want[k], k)
+
+
 # ---------------------------------------------------------------------------------------------- reductions
 def _op_grads(inp, reduction, q=16, dfinal=True):
     b, l, h, p = inp["x"].shape

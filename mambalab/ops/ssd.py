@@ -131,8 +131,8 @@ class SSDChunkScanFn(torch.autograd.Function):
         x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
         res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_, dt_softplus,
                                           dt_limit)
-        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, res.delta, res.dA_cumsum, res.chunk_states,
-                              res.entering_states, res.final_states)
+        # the backward needs Δ, cs and the entering states; not the chunk states (step 1's own output)
+        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, res.delta, res.dA_cumsum, res.entering_states)
         ctx.tiles, ctx.has_init = res.tiles, initial_states is not None
         ctx.dt_softplus, ctx.dt_limit, ctx.reduction = dt_softplus, dt_limit, reduction
         ctx.dtypes = [t.dtype if t is not None else None for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
@@ -142,12 +142,12 @@ class SSDChunkScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dfinal):
-        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, states, entering, final = ctx.saved_tensors
+        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, entering = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(x_)
         dout = dout.to(x_.dtype).contiguous()
         dfinal = dfinal.float().contiguous() if dfinal is not None else None
-        fwd = _kernels.SSDForward(None, final, delta, cs, states, entering, ctx.tiles)
+        fwd = _kernels.SSDForward(None, None, delta, cs, None, entering, ctx.tiles)
         g = _kernels.ssd_chunk_scan_bwd(dout, dfinal, fwd, x_, dt_, A_, B_, C_, D_, z_, bias_, ctx.has_init,
                                         ctx.dt_softplus, ctx.dt_limit, ctx.reduction)
         grads = (g.dx, g.ddt, g.dA, g.dB, g.dC, g.dD, g.dz, g.ddt_bias, g.dinitial_states)

@@ -61,9 +61,8 @@ def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=
     dH_out = chunk_scan_bwd_dstates(dout, z, C, fwd.dA_cumsum, cfg, p, dot_precision)
     dstates, dinit, da = state_passing_bwd(fwd.entering_states, fwd.dA_cumsum, dH_out, dfinal,
                                            has_initial_states, cfg, reduction)
-    dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dcs_last = chunk_scan_bwd(
+    dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
         dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dstates, D, z, cfg, reduction, dot_precision)
-    dcs_last = dcs_last + da   # two (b, h, c) tensors, elementwise: no reduction order involved
     ddt, dA, dbias = chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, fwd.delta, ddelta, dcs_row, dcs_col,
-                                      dcs_last, cfg, reduction)
+                                      da, dws, cfg, reduction)
     return SSDGrads(dx, ddt, dA, dB, dC, dD, dz, dbias, dinit)

@@ -83,8 +83,10 @@ def chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg: TileConfig):
 
 
 # ---------------------------------------------------------------------------------------------- backward
-# Math. The later steps hand back dΔ_t (Δ where it multiplies x) and dcs_t (cs where it enters an exp). Since
-# cs_t = Σ_{k ≤ t} Δ_k A inside the chunk, the gradient of Δ_k A is the reverse cumsum r_k = Σ_{t ≥ k} dcs_t,
+# Math. The later steps hand back dΔ_t (Δ where it multiplies x), dcs_t (cs where it enters an exp), da (the
+# chunk's total log-decay cs_{q-1}, from state passing) and dws_s (the exponent cs_{q-1} - cs_s = Σ_{k > s} a_k
+# of chunk states). Since cs_t = Σ_{k ≤ t} a_k with a_k = Δ_k A inside the chunk, the gradient of a_k is
+#     r_k = Σ_{t ≥ k} dcs_t + da + Σ_{s < k} dws_s            (a reverse and a shifted forward cumsum)
 # so
 #     dΔ_k += A r_k,        dA += Σ_k Δ_k r_k        (summed over the batch rows and chunks: a reduction)
 # and through Δ = clamp(softplus?(v)), v = dt + dt_bias:
@@ -105,7 +107,8 @@ def chunk_cumsum_bwd_kernel(
     ddelta_ptr,       # (b, h, c, q) fp32 dΔ from the chunk backward
     dcs_row_ptr,      # (b, h, c, q) fp32 dcs, the part summed over each row t
     dcs_col_ptr,      # (b, h, c, q) fp32 dcs, the part summed over each column s
-    dcs_last_ptr,     # (b, h, c) fp32 extra dcs at the chunk's last position (chunk states, state passing)
+    da_ptr,           # (b, h, c) fp32 gradient of the chunk's total log-decay, from state passing
+    dws_ptr,          # (b, h, c, q) fp32 gradient of chunk states' exponents, from the chunk backward
     ddt_ptr,          # (b, l, h) out: ddt
     dA_ptr,           # atomic: (h,) fp32 zeroed; deterministic: (b, c, h) fp32 partials
     dbias_ptr,        # like dA_ptr, for dt_bias (or a dummy)
@@ -136,9 +139,11 @@ def chunk_cumsum_bwd_kernel(
     at = ((pid_b * h + offs_h[:, None]).to(tl.int64) * c + pid_c) * Q + offs_t[None, :]
     mh = mask_h[:, None]
     dcs = tl.load(dcs_row_ptr + at, mask=mh, other=0.0) + tl.load(dcs_col_ptr + at, mask=mh, other=0.0)
-    last = tl.load(dcs_last_ptr + (pid_b * h + offs_h).to(tl.int64) * c + pid_c, mask=mask_h, other=0.0)
-    dcs += tl.where(offs_t[None, :] == Q - 1, last[:, None], 0.0)
-    r = tl.cumsum(dcs, axis=1, reverse=True)                       # r_k = Σ_{t ≥ k} dcs_t
+    da = tl.load(da_ptr + (pid_b * h + offs_h).to(tl.int64) * c + pid_c, mask=mask_h, other=0.0)
+    dcs += tl.where(offs_t[None, :] == Q - 1, da[:, None], 0.0)
+    r = tl.cumsum(dcs, axis=1, reverse=True)                       # Σ_{t ≥ k} dcs_t  (+ da)
+    dws_prev = tl.load(dws_ptr + at - 1, mask=mh & (offs_t[None, :] > 0), other=0.0)   # dws_{k-1}
+    r += tl.cumsum(dws_prev, axis=1)                               # + Σ_{s < k} dws_s
     A = tl.load(A_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     delta = tl.load(delta_ptr + at, mask=mh, other=0.0)
     ddelta = tl.load(ddelta_ptr + at, mask=mh, other=0.0) + A[:, None] * r
@@ -159,7 +164,7 @@ def chunk_cumsum_bwd_kernel(
             tl.store(dbias_ptr + slot, dbias, mask=mask_h)
 
 
-def chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, delta, ddelta, dcs_row, dcs_col, dcs_last,
+def chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, delta, ddelta, dcs_row, dcs_col, da, dws,
                      cfg: TileConfig, reduction: str):
     """Launch step 0's backward. Returns (ddt (b, l, h) in dt's dtype, dA (h,) fp32, ddt_bias (h,) fp32 or None).
 
@@ -179,7 +184,7 @@ def chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, delta, ddelta, dcs_r
         dbias = torch.empty(b, c, h, **f32) if dt_bias is not None else None
     grid = (b, c, triton.cdiv(h, cfg.block_h))
     chunk_cumsum_bwd_kernel[grid](
-        dt, A, dt_bias if dt_bias is not None else A, delta, ddelta, dcs_row, dcs_col, dcs_last,
+        dt, A, dt_bias if dt_bias is not None else A, delta, ddelta, dcs_row, dcs_col, da, dws,
         ddt, dA, dbias if dbias is not None else dA,
         h, l, c, float(dt_limit[0]), float(dt_limit[1]),
         HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), REDUCE_ATOMIC=atomic,

@@ -151,15 +151,19 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 #                 dB_s += Δ_s Σ_{t ≥ s} L_ts dYx_ts C_t
 #                 dx_s += Δ_s Σ_{t ≥ s} L_ts CB_ts dY_t
 #                 dΔ_s += Σ_{t ≥ s} L_ts CB_ts dYx_ts
-#                 M_ts = L_ts CB_ts Δ_s dYx_ts:  dcs_t += Σ_s M_ts,  dcs_s -= Σ_t M_ts
+#                 M_ts = L_ts CB_ts Δ_s dYx_ts:  dcs_t += Σ_{s < t} M_ts,  dcs_s -= Σ_{t > s} M_ts
+#                 (the diagonal s = t is left out of both: exp(cs_t - cs_t) does not depend on cs, and adding
+#                 +M_tt and -M_tt would leave only rounding, which step 0 multiplies by A: large for strong decay)
 # and step 1's (chunk states) backward, given dS_c from state passing (w_s = exp(cs_{q-1} - cs_s) Δ_s):
 #                 dx_s += w_s dS_c B_s,  dB_s += w_s dS_cᵀ x_s,  with dw_s = x_sᵀ dS_c B_s:
-#                 dΔ_s += exp(cs_{q-1} - cs_s) dw_s,  dcs_s -= w_s dw_s,  dcs_{q-1} += Σ_s w_s dw_s
+#                 dΔ_s += exp(cs_{q-1} - cs_s) dw_s,  and dws_s = w_s dw_s, the gradient of the exponent
+#                 cs_{q-1} - cs_s = Σ_{k > s} a_k: step 0 adds Σ_{s < k} dws_s to a_k's gradient directly
+#                 (rather than +dws_s at q-1 and -dws_s at s, which would cancel in the same way)
 # Steps 1 and 3 share one kernel because both walk the same positions with the same x, B, Δ, cs.
 #
 # One program: (batch row, chunk, head), the whole head dimension and state (tiles.backward_block_p,
 # BLOCK_N), so sums over p and n stay inside it. Pass 1 walks the rows t (dz, dC, the row part of dcs, dD);
-# pass 2 the columns s (dx, dB, dΔ, the column part of dcs); each output is written once, by one pass.
+# pass 2 the columns s (dx, dB, dΔ, the column part of dcs, dws); each output is written once, by one pass.
 # Sums over programs: dB and dC over the heads of a group (g < h), dD over batch rows and chunks. With
 # REDUCE_ATOMIC they go into zeroed fp32 buffers by tl.atomic_add; otherwise each program writes its own
 # slot (dB, dC per head (b, l, h, n); dD (h, b·c, p or 1)) and sum_partials folds them.
@@ -235,7 +239,7 @@ def chunk_scan_bwd_kernel(
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
-    dcs_last_ptr,     # (b, h, c) fp32 out: extra dcs at the chunk's last position (from chunk states)
+    dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
     dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c, p or 1) partials; or a dummy
     h, p, n, l, g, c, n_chunks_total,   # n_chunks_total = b·c
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
@@ -309,7 +313,7 @@ def chunk_scan_bwd_kernel(
             dYx = tl.dot(dY.to(dot_ty), tl.trans(xs), input_precision=DOT_PRECISION)         # (BT, BT)
             Mw = L * dYx * delta_s[None, :]
             dC += tl.dot(Mw.to(dot_ty), Bs, input_precision=DOT_PRECISION)
-            dcs_row += tl.sum(Mw * CB, axis=1)
+            dcs_row += tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], Mw * CB, 0.0), axis=1)
         x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
         if HAS_D:
             dD_acc += dY * x_t
@@ -340,7 +344,6 @@ def chunk_scan_bwd_kernel(
                 tl.store(dD_ptr + (head * n_chunks_total + pid_b * c + pid_c).to(tl.int64), dD)
 
     # Pass 2: columns s. dx, dB, dΔ, dcs (column part), and step 1's backward.
-    dcs_last = tl.sum(tl.zeros((BLOCK_T,), dtype=tl.float32), axis=0)
     for s0 in range(0, Q, BLOCK_T):
         offs_s = s0 + tl.arange(0, BLOCK_T)
         mask_s = pid_c * Q + offs_s < l
@@ -360,8 +363,7 @@ def chunk_scan_bwd_kernel(
         dB = w[:, None] * tl.dot(xs.to(dot_ty), dS, input_precision=DOT_PRECISION)     # (BT, BN)
         dw = tl.sum(xs.to(tl.float32) * dSB, axis=1)
         ddelta = w_e * dw
-        dcs_col = -w * dw
-        dcs_last += tl.sum(w * dw, axis=0)
+        dcs_col = tl.zeros((BLOCK_T,), dtype=tl.float32)
         # the diagonal blocks: rows t ≥ s
         for t0 in range(s0, Q, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -378,9 +380,9 @@ def chunk_scan_bwd_kernel(
             dYx = tl.dot(dY, tl.trans(xs.to(dot_ty)), input_precision=DOT_PRECISION)
             dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
             dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
-            G = tl.sum(LCB * dYx, axis=0)                                                  # (BT,) per column s
-            ddelta += G
-            dcs_col -= delta_s * G
+            G = LCB * dYx
+            ddelta += tl.sum(G, axis=0)                                                    # (BT,) per column s
+            dcs_col -= delta_s * tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], G, 0.0), axis=0)
         if HAS_D:
             dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
         tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
@@ -391,7 +393,7 @@ def chunk_scan_bwd_kernel(
             tl.store(dB_ptr + bc, dB, mask=mask_sn)
         tl.store(ddelta_ptr + chunk + offs_s, ddelta)
         tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
-    tl.store(dcs_last_ptr + ((pid_b * h + head) * c + pid_c).to(tl.int64), dcs_last)
+        tl.store(dws_ptr + chunk + offs_s, w * dw)
 
 
 def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precision: str = "ieee"):
@@ -412,7 +414,7 @@ def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precisio
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
                    dot_precision: str = "ieee"):
     """Launch the chunk backward (steps 3 and 1). Returns (dx in x's dtype, dz or None, dB, dC (b, l, g, n)
-    fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col (b, h, c, q) fp32, dcs_last (b, h, c) fp32)."""
+    fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws (b, h, c, q) fp32)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -426,7 +428,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     ddelta = torch.empty(b, h, c, q, **f32)
     dcs_row = torch.empty_like(ddelta)
     dcs_col = torch.empty_like(ddelta)
-    dcs_last = torch.empty(b, h, c, **f32)
+    dws = torch.empty_like(ddelta)
     dD = None
     if D is not None:
         pd = p if D.dim() == 2 else 1
@@ -434,7 +436,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     chunk_scan_bwd_kernel[(b, c, h)](
         x, B, C, delta, cs, entering, dstates,
         D if D is not None else x, z if z is not None else x, dout,
-        dx, dz if dz is not None else dx, dB, dC, ddelta, dcs_row, dcs_col, dcs_last,
+        dx, dz if dz is not None else dx, dB, dC, ddelta, dcs_row, dcs_col, dws,
         dD if dD is not None else ddelta,
         h, p, n, l, g, c, b * c,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic,
@@ -448,4 +450,4 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
         if not atomic:
             dD = sum_partials(dD, dim=1)
         dD = dD.view(D.shape)
-    return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dcs_last
+    return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws
