@@ -122,6 +122,19 @@ def test_tiles_smaller_than_the_chunk():
             assert_close(gr, want[k], f"{k} ({reduction})")
 
 
+def test_softplus_linear_region():
+    """dt + dt_bias above 20, where softplus is the identity (gradient 1), next to ordinary steps."""
+    b, l, h, p, g, n, q = 1, 24, 2, 4, 1, 4, 16
+    inp = make_inputs(b, l, h, p, g, n)
+    inp["dt"] = inp["dt"] + 25.0 * (torch.rand(b, l, h, generator=torch.Generator().manual_seed(5)) < 0.3).to(
+        inp["dt"].device)
+    dout, dfinal = cotangents(b, l, h, p, n)
+    got = grads_of(ssd_chunk_scan, inp, dout, dfinal, chunk_size=q, dt_softplus=True)
+    want = ref_grads(inp, dout, dfinal, chunk_size=q, dt_softplus=True)
+    for k in want:
+        assert_close(got[k], want[k], k)
+
+
 @pytest.mark.filterwarnings("error::RuntimeWarning")
 def test_strong_decay_gradients_stay_finite():
     """Δ A down to about -5000 a step: every exp in the backward sees a masked, non-positive exponent (numpy's
