@@ -98,8 +98,8 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
-            "the SSD backward is not implemented yet in ssd_chunk_scan_forward, which is forward only: use "
-            "mambalab.ops.ssd.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
+            "ssd_chunk_scan_forward records no autograd graph, and an input requires grad: use "
+            "mambalab.ops.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
     x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
     res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
                                       bool(dt_softplus), tuple(float(v) for v in dt_limit))
