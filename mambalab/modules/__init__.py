@@ -1,7 +1,11 @@
 """nn.Module blocks built on :mod:`mambalab.ops`, with mamba-ssm's parameter names so state dicts interchange.
 
 * :class:`Mamba1`: the Mamba-1 block (``mamba_ssm.modules.mamba_simple.Mamba``).
+* :class:`Mamba2`: the Mamba-2 block (``mamba_ssm.modules.mamba2.Mamba2``), laid out by heads and groups.
+* :class:`GatedRMSNorm`: rmsnorm(x ⊙ silu(z)) per group of channels (``mamba_ssm``'s ``RMSNormGated``).
 """
 from mambalab.modules.mamba1 import Mamba1
+from mambalab.modules.mamba2 import Mamba2
+from mambalab.modules.norm import GatedRMSNorm
 
-__all__ = ["Mamba1"]
+__all__ = ["GatedRMSNorm", "Mamba1", "Mamba2"]
