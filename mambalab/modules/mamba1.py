@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.ops import selective_scan
 from mambalab.ref.selective_scan import selective_scan_step
 
@@ -110,16 +111,11 @@ class Mamba1(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (b, l, d_model={self.d_model}); "
                              f"got {tuple(hidden_states.shape)}")
-        b, l, _ = hidden_states.shape
         n, r = self.d_state, self.dt_rank
 
         xz = self.in_proj(hidden_states).transpose(1, 2)         # (b, 2d, l): channels first for the conv and scan
         x, z = xz.chunk(2, dim=1)                                # (b, d, l) each
-        if cache is not None:
-            conv_state, _ = cache
-            # The last d_conv conv inputs, zero-padded on the left when l < d_conv.
-            conv_state.copy_(F.pad(x, (max(self.d_conv - l, 0), 0))[..., -self.d_conv:])
-        x = F.silu(self.conv1d(x)[..., :l])                      # (b, d, l): drop the outputs that peek ahead
+        x = causal_conv1d(self.conv1d, x, cache[0] if cache is not None else None)  # (b, d, l)
 
         x_dbl = self.x_proj(x.transpose(1, 2))                   # (b, l, r + 2n)
         dt, B, C = x_dbl.split([r, n, n], dim=-1)                # (b, l, r), (b, l, n), (b, l, n)
@@ -140,10 +136,8 @@ class Mamba1(nn.Module):
 
         ``max_seqlen`` is accepted for mamba-ssm's signature and unused: the states do not grow with length.
         """
-        weight = self.conv1d.weight
-        conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=weight.device,
-                                 dtype=dtype or weight.dtype)
-        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=weight.device,
+        conv_state = new_conv_state(self.conv1d, batch_size, dtype)
+        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=self.conv1d.weight.device,
                                 dtype=torch.float32)
         return conv_state, ssm_state
 
@@ -160,12 +154,7 @@ class Mamba1(nn.Module):
         n, r = self.d_state, self.dt_rank
 
         x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)             # (b, d) each
-        # Shift the window left by one and append the new input, then apply each channel's filter.
-        conv_state.copy_(torch.cat([conv_state[..., 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=-1))
-        x = torch.einsum("bdw,dw->bd", conv_state, self.conv1d.weight[:, 0])  # (b, d)
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
-        x = F.silu(x)
+        x = causal_conv1d_step(self.conv1d, x, conv_state)                  # (b, d)
 
         dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)                   # (b, r), (b, n), (b, n)
         dt = F.softplus(self.dt_proj(dt).float())                            # (b, d), bias included here

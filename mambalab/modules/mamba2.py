@@ -34,6 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
 from mambalab.ref.ssd import effective_dt, ssd_step
@@ -158,14 +159,11 @@ class Mamba2(nn.Module):
         """
         if u.dim() != 3 or u.shape[-1] != self.d_model:
             raise ValueError(f"u must have shape (b, l, d_model={self.d_model}); got {tuple(u.shape)}")
-        l = u.shape[1]
 
         z, xBC, dt = self.in_proj(u).split(self.split_sizes(), dim=-1)     # (b, l, d), (b, l, conv_dim), (b, l, h)
         xBC = xBC.transpose(1, 2)                                           # (b, conv_dim, l): channels first
-        if cache is not None:
-            # The last d_conv conv inputs, zero-padded on the left when l < d_conv.
-            cache[0].copy_(F.pad(xBC, (max(self.d_conv - l, 0), 0))[..., -self.d_conv:])
-        xBC = F.silu(self.conv1d(xBC)[..., :l]).transpose(1, 2)             # (b, l, conv_dim): drop the look-ahead
+        xBC = causal_conv1d(self.conv1d, xBC, cache[0] if cache is not None else None)
+        xBC = xBC.transpose(1, 2)                                           # (b, l, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b,l,h,p), (b,l,g,n), (b,l,g,n)
         A = -torch.exp(self.A_log.float())                                  # (h,)
 
@@ -187,10 +185,8 @@ class Mamba2(nn.Module):
 
         ``max_seqlen`` is accepted for mamba-ssm's signature and unused: the states do not grow with length.
         """
-        weight = self.conv1d.weight
-        conv_state = torch.zeros(batch_size, self.conv_dim, self.d_conv, device=weight.device,
-                                 dtype=dtype or weight.dtype)
-        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=weight.device,
+        conv_state = new_conv_state(self.conv1d, batch_size, dtype)
+        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=self.conv1d.weight.device,
                                 dtype=torch.float32)
         return conv_state, ssm_state
 
@@ -206,12 +202,7 @@ class Mamba2(nn.Module):
         dtype = u.dtype
 
         z, xBC, dt = self.in_proj(u[:, 0]).split(self.split_sizes(), dim=-1)  # (b, d), (b, conv_dim), (b, h)
-        # Shift the window left by one and append the new input, then apply each channel's filter.
-        conv_state.copy_(torch.cat([conv_state[..., 1:], xBC.unsqueeze(-1).to(conv_state.dtype)], dim=-1))
-        xBC = torch.einsum("bcw,cw->bc", conv_state, self.conv1d.weight[:, 0])  # (b, conv_dim)
-        if self.conv1d.bias is not None:
-            xBC = xBC + self.conv1d.bias
-        xBC = F.silu(xBC)
+        xBC = causal_conv1d_step(self.conv1d, xBC, conv_state)              # (b, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b, h, p), (b, g, n), (b, g, n)
 
         dt = effective_dt(dt, self.dt_bias, dt_softplus=True, dt_limit=self.dt_limit)  # (b, h) fp32
