@@ -3,7 +3,9 @@
 # CUDA extension (our rival) in the background, run the GPU tests, then the workbook and the benchmark.
 #   carried: .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
-#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep
+#   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep,
+#            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic),
+#            mamba3-tests, mamba3-bench, nb-NN (one notebook at its GPU size)
 #   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -15,9 +17,13 @@ export JUPYTER_PATH=/tmp/site/share/jupyter   # nbconvert's templates, installed
 SDIST=$(ls .carry/mamba_ssm-*.tar.gz)
 EXT_DIR=/tmp/mamba_ext
 nvidia-smi -L
-(python3 benchmarks/mamba_cuda_ext.py "$SDIST" "$EXT_DIR" >"$OUT/ext_build.log" 2>&1; echo "ext build rc=$?" >>"$OUT/ext_build.log") &
-build_pid=$!
-ext_ready() { wait $build_pid 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:$EXT_DIR; }
+if [ "${SKIP_EXT:-0}" = 1 ]; then   # steps that need no Mamba-1 CUDA extension: don't spend minutes building it
+  echo "extension build skipped (SKIP_EXT=1)" >"$OUT/ext_build.log"; build_pid=
+else
+  (python3 benchmarks/mamba_cuda_ext.py "$SDIST" "$EXT_DIR" >"$OUT/ext_build.log" 2>&1; echo "ext build rc=$?" >>"$OUT/ext_build.log") &
+  build_pid=$!
+fi
+ext_ready() { [ -n "$build_pid" ] && wait "$build_pid" 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:$EXT_DIR; }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -27,6 +33,18 @@ for step in "$@"; do
     notebooks) ext_ready; timeout 400 python3 -m mambalab workbook --output-dir "$OUT/wb" 2>&1 | tail -15 ;;
     bench) ext_ready; python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan.json" 2>&1 | tail -12 ;;
     bench-nosweep) ext_ready; python3 benchmarks/bench_selective_scan.py --out "$OUT/selective_scan.json" 2>&1 | tail -6 ;;
+    # Each step below logs to $OUT/<step>.log as it goes, so a run cut short still says how far it got.
+    ssd-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba2" tests/test_ssd_kernels.py tests/test_ssd_backward.py \
+                 tests/test_ssd_ref.py tests/test_mamba2.py >"$OUT/ssd-tests.log" 2>&1; tail -5 "$OUT/ssd-tests.log" ;;
+    ssd-bench) timeout 300 python3 benchmarks/bench_ssd.py --reps 5 --stages --out "$OUT/ssd_default.json" >"$OUT/ssd-bench.log" 2>&1
+               timeout 150 python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --out "$OUT/ssd_mamba_deterministic.json" \
+                 >>"$OUT/ssd-bench.log" 2>&1; tail -3 "$OUT/ssd-bench.log" ;;
+    mamba3-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba3_module" tests/test_mamba3_kernels.py tests/test_mamba3_ref.py \
+                    tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
+    mamba3-bench) timeout 200 python3 benchmarks/bench_mamba3.py --out "$OUT" >"$OUT/mamba3-bench.log" 2>&1
+                  tail -5 "$OUT/mamba3-bench.log" ;;
+    nb-*) only=${step#nb-}; timeout 500 python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
+            >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
     *) echo "unknown step $step" ;;
   esac
 done

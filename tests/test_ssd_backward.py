@@ -212,7 +212,7 @@ def test_kernel_backward_rejects_bad_reduction():
 
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 5e-2)])  # fp32: tf32 dots on a GPU
 @pytest.mark.parametrize("q", [64, 256])
 @pytest.mark.parametrize("reduction", ["atomic", "deterministic"])
 def test_gpu_gradients_match_reference(dtype, atol, q, reduction):

@@ -248,6 +248,7 @@ def test_tile_rule():
     cfg = kernels.tile_config(h=24, p=64, n=128, chunk_size=256)
     assert (cfg.block_t, cfg.block_h, cfg.block_p, cfg.block_n, cfg.block_k, cfg.block_pn) == (
         64, 16, 64, 128, 64, 1024)
+    assert cfg.backward_block_t == 32                                           # fits sm_90's shared memory in fp32
     small = kernels.tile_config(h=3, p=5, n=6, chunk_size=16)
     assert (small.block_t, small.block_h, small.block_p, small.block_n, small.block_k, small.block_pn) == (
         16, 4, 16, 16, 16, 32)
@@ -255,7 +256,8 @@ def test_tile_rule():
     ok = dict(chunk_size=32, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64, num_warps=4)
     for change, words in ((dict(block_p=8), "block_p=8 must be at least 16"),
                           (dict(chunk_size=24), "power of two >= 16"),
-                          (dict(block_t=64), "block_t=64 must be a power of two dividing"),
+                          (dict(block_t=64), "block_t=64 must be a power of two >= 16 dividing"),
+                          (dict(bwd_block_t=8), "backward_block_t=8 must be a power of two >= 16 dividing"),
                           (dict(block_k=64), "block_k=64 must divide")):
         with pytest.raises(ValueError, match=words):
             kernels.TileConfig(**dict(ok, **change))
@@ -300,7 +302,7 @@ def test_bad_input_is_named(change, exc, words):
 
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])  # fp32: tf32 dots
 @pytest.mark.parametrize("q", [64, 128, 256])
 def test_gpu_forward_matches_ssd_ref(dtype, atol, q):
     """Mamba-2 sizes: p = 64, n = 128, several chunks, l not a multiple of q, g = 1 and g = h."""

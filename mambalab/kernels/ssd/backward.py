@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from mambalab import device
+
 from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd
 from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_bwd_dstates
 from mambalab.kernels.ssd.forward import SSDForward
@@ -55,7 +57,7 @@ def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if dot_precision is None:
-        dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        dot_precision = device.dot_precision(x.dtype, x.device)
     cfg = fwd.tiles
     p = x.shape[3]
     dH_out = chunk_scan_bwd_dstates(dout, z, C, fwd.dA_cumsum, cfg, p, dot_precision)

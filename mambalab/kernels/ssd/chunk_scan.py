@@ -440,8 +440,8 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
         dD if dD is not None else ddelta,
         h, p, n, l, g, c, b * c,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic,
-        BLOCK_T=cfg.block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps,
+        BLOCK_T=cfg.backward_block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
+        DOT_PRECISION=dot_precision, num_warps=cfg.num_warps,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)

@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from mambalab import device
+
 from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_fwd
 from mambalab.kernels.ssd.chunk_scan import chunk_scan_fwd
 from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
@@ -37,12 +39,11 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
     x, z: (b, l, h, p); dt: (b, l, h); A: (h,) fp32; B, C: (b, l, g, n); D: (h,) or (h, p); dt_bias: (h,);
     initial_states: (b, h, p, n) fp32. ``cfg`` overrides the tile rule (tests only: tiles fix the order of
-    additions). ``dot_precision`` is tl.dot's input_precision: by default "ieee" (exact fp32) when x is fp32,
-    and Triton's default "tf32" otherwise, where it changes nothing (fp16/bf16 operands); "tf32" for fp32
-    inputs is faster on a GPU, at about 1e-3 relative error.
+    additions). ``dot_precision`` is tl.dot's input_precision: by default the device layer's rule
+    (:func:`mambalab.device.dot_precision`: "tf32" on a GPU, as mamba-ssm; "ieee" on the CPU interpreter).
     """
     if dot_precision is None:
-        dot_precision = "ieee" if x.dtype == torch.float32 else "tf32"
+        dot_precision = device.dot_precision(x.dtype, x.device)
     b, l, h, p = x.shape
     n = B.shape[3]
     cfg = cfg or tile_config(h, p, n, chunk_size)

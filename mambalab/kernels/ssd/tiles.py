@@ -25,6 +25,11 @@ class TileConfig:
     block_k: int      # state dimensions per step of the chunk scan's loop over n (its dot products)
     block_pn: int     # state elements (p·n, flattened) per program in state passing
     num_warps: int
+    bwd_block_t: int | None = None  # chunk positions per step of the chunk-scan backward; None: block_t
+
+    @property
+    def backward_block_t(self) -> int:
+        return self.bwd_block_t or self.block_t
 
     def __post_init__(self):
         for name in ("block_t", "block_p", "block_n", "block_k"):
@@ -32,8 +37,10 @@ class TileConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {MIN_DOT} (tl.dot)")
         if self.chunk_size < MIN_DOT or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} must be a power of two >= {MIN_DOT}")
-        if self.chunk_size % self.block_t or self.block_t & (self.block_t - 1):
-            raise ValueError(f"block_t={self.block_t} must be a power of two dividing chunk_size={self.chunk_size}")
+        for name in ("block_t", "backward_block_t"):
+            bt = getattr(self, name)
+            if bt < MIN_DOT or self.chunk_size % bt or bt & (bt - 1):
+                raise ValueError(f"{name}={bt} must be a power of two >= {MIN_DOT} dividing chunk_size={self.chunk_size}")
         if self.block_n % self.block_k:
             raise ValueError(f"block_k={self.block_k} must divide block_n={self.block_n}")
 
@@ -42,6 +49,10 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
     """The documented rule:
 
     * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
+    * backward BLOCK_T = min(32, q)             the chunk-scan backward holds the whole head and state per
+                                                program: at 64 positions its fp32 tiles need 289 KiB of shared
+                                                memory on sm_90 (the H200 has 227), at 32 they need 152 KiB and
+                                                spill a quarter as much (benchmarks/ptxas_ssd.py, fp32 and bf16)
     * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
     * BLOCK_P  = min(64, next_pow2(p)), >= 16   head dimensions per program (p-blocks of chunk states/scan)
     * BLOCK_N  = next_pow2(n), >= 16            the whole state, so a chunk's state is one tile
@@ -66,6 +77,7 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
         block_k=min(64, block_n),
         block_pn=min(1024, triton.next_power_of_2(p * n)),
         num_warps=4,
+        bwd_block_t=min(32, chunk_size),
     )
 
 

@@ -1,0 +1,189 @@
+"""mambalab.ops.ssd_chunk_scan (both reduction modes) against mamba-ssm's mamba_chunk_scan_combined, on a GPU,
+in one process.
+
+At b=4, l=4096, h=32, p=64, g=1, n=128, chunk 256 (dt_softplus, D and dt_bias given, as in the measurements
+in shared/measurements), in bf16 and fp32: forward and forward+backward times, distinct gradient bit patterns
+over repeated backward passes, and the largest differences from mamba-ssm. mamba-ssm's deterministic mode
+pins its configurations at import, so it is a separate process: run once plain and once with
+``--mamba-deterministic`` (which sets MAMBA_DETERMINISTIC=1 before mamba-ssm is imported). Each process times
+mambalab beside the rival it has, so every ratio is within one run.
+
+    python benchmarks/bench_ssd.py --out DIR/ssd_default.json [--mamba-deterministic] [--stages] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import mambalab  # noqa: E402,F401
+from common import distinct_patterns, environment, time_ms, write  # noqa: E402
+
+NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make(b, l, h, p, g, n, dtype, seed=0):
+    """The measured shape's inputs: x, B, C in ``dtype``; dt in ``dtype``; A, D, dt_bias fp32."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    return {
+        "x": r(b, l, h, p).to(dtype),
+        "dt": (0.5 * r(b, l, h) - 1.0).to(dtype),
+        "A": -torch.exp(r(h) * 0.5),
+        "B": r(b, l, g, n).to(dtype),
+        "C": r(b, l, g, n).to(dtype),
+        "D": r(h),
+        "dt_bias": 0.1 * r(h),
+    }
+
+
+def step(fn, x, dout, chunk, backward=True, **kw):
+    leaves = {k: v.detach().requires_grad_(backward) for k, v in x.items()}
+    out = fn(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk, D=leaves["D"],
+             dt_bias=leaves["dt_bias"], dt_softplus=True, **kw)
+    if not backward:
+        return out, None
+    out.backward(dout)
+    return out, {k: v.grad for k, v in leaves.items()}
+
+
+def measure(fn, x, dout, chunk, reps, **kw):
+    with torch.no_grad():
+        fwd = time_ms(lambda: step(fn, x, dout, chunk, backward=False, **kw))
+    fwd_bwd = time_ms(lambda: step(fn, x, dout, chunk, **kw))
+    runs = [step(fn, x, dout, chunk, **kw)[1] for _ in range(reps)]
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "distinct_grad_patterns": distinct_patterns(runs)}
+
+
+def differences(ours, theirs):
+    (o_out, o_g), (t_out, t_g) = ours, theirs
+    diff = {"out": (o_out.float() - t_out.float()).abs().max().item()}
+    scale = {"out": t_out.float().abs().max().item()}
+    for k in NAMES:
+        diff[k] = (o_g[k].float() - t_g[k].float()).abs().max().item()
+        scale[k] = t_g[k].float().abs().max().item()
+    return {"max_abs_diff": diff, "max_abs_rival": scale}
+
+
+def stages(x, dout, chunk, reduction):
+    """Each kernel launch of mambalab's forward and backward timed alone (where the time goes)."""
+    from mambalab.kernels.ssd import backward as bw
+    from mambalab.kernels.ssd import chunk_cumsum, chunk_scan, chunk_states, state_passing
+    from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
+
+    xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
+    prec = "ieee" if xx.dtype == torch.float32 else "tf32"
+    f = ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True)
+    cfg, lim = f.tiles, (0.0, float("inf"))
+    dH = chunk_scan.chunk_scan_bwd_dstates(dout, None, C, f.dA_cumsum, cfg, xx.shape[3], prec)
+    dS, _, da = state_passing.state_passing_bwd(f.entering_states, f.dA_cumsum, dH, None, False, cfg, reduction)
+    sc = chunk_scan.chunk_scan_bwd(dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg,
+                                   reduction, prec)
+    t = {
+        "fwd.chunk_cumsum": lambda: chunk_cumsum.chunk_cumsum_fwd(dt, A, bias, True, lim, cfg),
+        "fwd.chunk_states": lambda: chunk_states.chunk_states_fwd(xx, B, f.delta, f.dA_cumsum, cfg, prec),
+        "fwd.state_passing": lambda: state_passing.state_passing_fwd(f.chunk_states, f.dA_cumsum, None, cfg),
+        "fwd.chunk_scan": lambda: chunk_scan.chunk_scan_fwd(xx, B, C, f.delta, f.dA_cumsum, f.entering_states, D,
+                                                           None, cfg, prec),
+        "bwd.chunk_scan_dstates": lambda: chunk_scan.chunk_scan_bwd_dstates(dout, None, C, f.dA_cumsum, cfg,
+                                                                           xx.shape[3], prec),
+        "bwd.state_passing": lambda: state_passing.state_passing_bwd(f.entering_states, f.dA_cumsum, dH, None,
+                                                                     False, cfg, reduction),
+        "bwd.chunk_scan": lambda: chunk_scan.chunk_scan_bwd(dout, xx, B, C, f.delta, f.dA_cumsum,
+                                                            f.entering_states, dS, D, None, cfg, reduction, prec),
+        "bwd.chunk_cumsum": lambda: chunk_cumsum.chunk_cumsum_bwd(dt, A, bias, True, lim, f.delta, sc[5], sc[6],
+                                                                  sc[7], da, sc[8], cfg, reduction),
+        "bwd.whole": lambda: bw.ssd_chunk_scan_bwd(dout, None, f, xx, dt, A, B, C, D=D, dt_bias=bias,
+                                                   dt_softplus=True, reduction=reduction),
+    }
+    return {name: time_ms(fn, warmup=3, rep=15) for name, fn in t.items()} | {"tiles": repr(cfg)}
+
+
+def sweep(x, dout, chunk):
+    """Forward and backward with other tile configurations (for tuning the rule; deterministic mode)."""
+    import dataclasses
+
+    from mambalab.kernels.ssd import backward as bw
+    from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
+    from mambalab.kernels.ssd.tiles import tile_config
+
+    xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
+    base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk)
+    rows = []
+    for block_t in (32, 64, 128):
+        for block_k in (64, 128):
+            for num_warps in (4, 8):
+                cfg = dataclasses.replace(base, block_t=block_t, block_k=block_k, num_warps=num_warps)
+                row = {"block_t": block_t, "block_k": block_k, "num_warps": num_warps}
+                try:
+                    run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias,
+                                                         dt_softplus=True, cfg=cfg)
+                    f = run_fwd()
+                    row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
+                    row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, f, xx, dt, A, B, C, D=D,
+                                                                         dt_bias=bias, dt_softplus=True),
+                                            warmup=2, rep=10)
+                except Exception as err:  # a configuration that does not compile is recorded, not fatal
+                    row["error"] = repr(err)[:300]
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--mamba-deterministic", action="store_true",
+                   help="set MAMBA_DETERMINISTIC=1 before importing mamba-ssm (its pinned-config mode)")
+    p.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=list(DTYPES))
+    p.add_argument("--shape", type=int, nargs=6, default=[4, 4096, 32, 64, 1, 128], metavar=("B", "L", "H", "P", "G", "N"))
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
+    p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
+    p.add_argument("--sweep", action="store_true", help="also time other tile configurations (bf16)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA GPU")
+    if args.mamba_deterministic:
+        os.environ["MAMBA_DETERMINISTIC"] = "1"
+    from mambalab import oracle  # mamba-ssm's package imports its CUDA extension at import; the oracle copes
+    from mambalab.ops import ssd_chunk_scan
+
+    mamba_chunk_scan_combined = oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined
+
+    rival = "mamba_ssm_deterministic" if args.mamba_deterministic else "mamba_ssm_default"
+    b, l, h, hp, g, n = args.shape
+    result = {"benchmark": "ssd_chunk_scan", "rival": rival, "environment": environment(),
+              "shape": {"b": b, "l": l, "h": h, "p": hp, "g": g, "n": n, "chunk": args.chunk},
+              "options": "dt_softplus, D (h), dt_bias; no z, no initial states", "cases": []}
+    for dname in args.dtypes:
+        x = make(b, l, h, hp, g, n, DTYPES[dname])
+        dout = torch.randn(b, l, h, hp, device="cuda", dtype=DTYPES[dname])
+        case = {"dtype": dname}
+        for mode in ("deterministic", "atomic"):
+            case[f"mambalab_{mode}"] = measure(ssd_chunk_scan, x, dout, args.chunk, args.reps, reduction=mode)
+        case[rival] = measure(mamba_chunk_scan_combined, x, dout, args.chunk, args.reps)
+        for mode in ("deterministic", "atomic"):
+            ours, theirs = case[f"mambalab_{mode}"], case[rival]
+            case[f"ratio_fwd_{mode}"] = ours["fwd_ms"] / theirs["fwd_ms"]
+            case[f"ratio_fwd_bwd_{mode}"] = ours["fwd_bwd_ms"] / theirs["fwd_bwd_ms"]
+        case["vs_rival"] = differences(step(ssd_chunk_scan, x, dout, args.chunk),
+                                       step(mamba_chunk_scan_combined, x, dout, args.chunk))
+        if args.stages:
+            case["stages_ms_deterministic"] = stages(x, dout, args.chunk, "deterministic")
+        print(case, flush=True)
+        result["cases"].append(case)
+        if args.sweep and dname == "bf16":
+            result["tile_sweep_bf16"] = sweep(x, dout, args.chunk)
+        del x, dout
+    write(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
