@@ -16,10 +16,10 @@ import torch
 
 from mambalab import device as _device
 from mambalab import validate
+from mambalab.determinism import resolve_reduction
 from mambalab.kernels import ssd as _kernels
 
 MIN_CHUNK_SIZE = 16  # tl.dot wants blocks of at least 16
-REDUCTIONS = (None, "atomic", "deterministic")
 
 
 def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
@@ -170,14 +170,12 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
             over the heads of a group): "atomic" (tl.atomic_add, as mamba-ssm; on a GPU the last bits vary
             from run to run) or "deterministic" (per-program partials folded by
             :func:`mambalab.kernels.reduce.sum_partials` in an order fixed by the shape: the same bits on
-            every run and machine, and per-row gradients independent of the batch). None: "deterministic".
+            every run and machine, and per-row gradients independent of the batch). None: the determinism
+            switch decides (:func:`mambalab.determinism.resolve_reduction`; "deterministic" unless switched off).
 
     Returns out (b, l, h, p) in x's dtype, or (out, final_states (b, h, p, n) fp32); gradients flow from both.
     """
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
-    # None means "deterministic" until the library-wide determinism switch (mambalab.determinism) decides it.
-    reduction = reduction or "deterministic"
+    reduction = resolve_reduction(reduction)   # None: the determinism switch's mode (default "deterministic")
     _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
     out, final = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, bool(dt_softplus),
                                       tuple(float(v) for v in dt_limit), reduction)
