@@ -2,7 +2,6 @@
 beside every result (machine and versions), so a JSON file says where its numbers came from."""
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import statistics
@@ -20,9 +19,10 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
 
 
 def bits(t: torch.Tensor) -> str:
-    """A hash of a tensor's exact bits."""
-    t = t.detach().contiguous().cpu()
-    return hashlib.sha256(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:16]
+    """A hash of a tensor's exact bits (mambalab's fingerprint)."""
+    from mambalab.determinism import fingerprint
+
+    return fingerprint(t)
 
 
 def distinct_patterns(runs: list[dict[str, torch.Tensor]]) -> dict[str, int]:

@@ -12,6 +12,10 @@ def kernel_device() -> str:
     return KERNEL_DEVICE
 
 
+# fp32 kernels dot in tf32 on a GPU (mambalab.device.dot_precision, as mamba-ssm) and exactly on the CPU, so
+# comparisons of an fp32 kernel path with an fp32 PyTorch path use these tolerances.
+FP32_KERNEL_TOL = dict(atol=1e-5, rtol=1e-4) if KERNEL_DEVICE == "cpu" else dict(atol=3e-3, rtol=3e-3)
+
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -39,3 +43,29 @@ def make_ssd_inputs(b, l, h, p, g, n, *, D="h", z=True, bias=True, init=True, dt
         "initial_states": par(b, h, p, n) if init else None,
     }
     return {k: (v.to(device) if v is not None else None) for k, v in x.items()}
+
+
+def make_mamba3_inputs(b, l, h, p, g, n, r, a, *, D=True, z=True, init=False, dtype=torch.float64, seed=0,
+                       device="cpu"):
+    """Random Mamba-3 inputs (mambalab.ref.mamba3's layout), as keyword arguments: q, k (b, l, r, g, n);
+    v, z (b, l, h, p); adt (<= 0), dt (> 0), trap (in [0, 1]) (b, l, h); q_bias, k_bias (h, r, n) near 1;
+    angles (b, l, h, a) = π·tanh(·); D (h,); mimo_v/z/o (h, r, p) when r > 1; initial_state when ``init``."""
+    from mambalab.ref.mamba3 import Mamba3State
+    gen = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)
+    dt = 0.05 + 0.5 * torch.rand(b, l, h, generator=gen, dtype=dtype)
+    x = {
+        "q": rn(b, l, r, g, n), "k": rn(b, l, r, g, n), "v": rn(b, l, h, p),
+        "adt": -dt * (0.5 + torch.rand(h, generator=gen, dtype=dtype)), "dt": dt,
+        "trap": torch.rand(b, l, h, generator=gen, dtype=dtype),
+        "q_bias": 1 + 0.1 * rn(h, r, n), "k_bias": 1 + 0.1 * rn(h, r, n),
+        "angles": torch.pi * torch.tanh(rn(b, l, h, a)),
+        "D": rn(h) if D else None, "z": rn(b, l, h, p) if z else None,
+    }
+    if r > 1:
+        x.update(mimo_v=rn(h, r, p) / r, mimo_z=rn(h, r, p) if z else None, mimo_o=rn(h, r, p) / r)
+    x = {k: (t.to(device) if t is not None else None) for k, t in x.items()}
+    if init:
+        x["initial_state"] = Mamba3State(rn(b, h, a).to(device), rn(b, h, p, n).to(device),
+                                         rn(b, h, r, n).to(device), rn(b, h, p).to(device))
+    return x

@@ -9,7 +9,7 @@ from mambalab import oracle
 from mambalab.modules import GatedRMSNorm, Mamba2
 from mambalab.ref.ssd import ssd_ref
 
-from conftest import KERNEL_DEVICE
+from conftest import FP32_KERNEL_TOL, KERNEL_DEVICE
 
 D_MODEL, L, BATCH = 16, 37, 2  # l not a multiple of the chunk size: the last chunk is partial
 SIZES = dict(d_state=16, headdim=8, chunk_size=16)  # d_inner 32: 4 heads
@@ -94,7 +94,7 @@ def test_initialisation():
 
 def test_forward_matches_plain_pytorch_recomputation(block, hidden, full):
     with torch.no_grad():
-        torch.testing.assert_close(full, recompute(block, hidden), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(full, recompute(block, hidden), **FP32_KERNEL_TOL)
 
 
 def test_step_loop_equals_forward(block, hidden, full):
@@ -103,7 +103,7 @@ def test_step_loop_equals_forward(block, hidden, full):
         assert conv_state.shape == (BATCH, block.conv_dim, 4)
         assert ssm_state.shape == (BATCH, 4, 8, 16) and ssm_state.dtype == torch.float32
         steps = [block.step(hidden[:, t:t + 1], conv_state, ssm_state)[0] for t in range(L)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, **FP32_KERNEL_TOL)
 
 
 @pytest.mark.parametrize("prefill", [2, 20])  # shorter than d_conv; longer than one chunk
@@ -112,7 +112,7 @@ def test_prefill_then_step_equals_forward(block, hidden, full, prefill):
         cache = block.allocate_inference_cache(BATCH)
         first = block(hidden[:, :prefill], cache=cache)
         rest = [block.step(hidden[:, t:t + 1], *cache)[0] for t in range(prefill, prefill + 5)]
-    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full[:, :prefill + 5], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full[:, :prefill + 5], **FP32_KERNEL_TOL)
 
 
 @pytest.mark.parametrize("ngroups", [1, 2])
@@ -130,7 +130,8 @@ def test_gradients_reach_every_parameter_and_match_recomputation(ngroups):
     recompute(block, hidden).square().sum().backward()
     theirs = {"input": hidden.grad, **{k: p.grad for k, p in block.named_parameters()}}
     for k in ours:
-        torch.testing.assert_close(ours[k], theirs[k], atol=1e-4, rtol=1e-3, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(ours[k], theirs[k], atol=max(1e-4, FP32_KERNEL_TOL["atol"]),
+                                   rtol=max(1e-3, FP32_KERNEL_TOL["rtol"]), msg=lambda m: f"{k}: {m}")
 
 
 def test_without_rmsnorm_gates_inside_the_scan():
@@ -141,7 +142,7 @@ def test_without_rmsnorm_gates_inside_the_scan():
         full = block(u)
         cache = block.allocate_inference_cache(BATCH)
         steps = torch.cat([block.step(u[:, t:t + 1], *cache)[0] for t in range(10)], dim=1)
-    torch.testing.assert_close(steps, full, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(steps, full, **FP32_KERNEL_TOL)
 
 
 def test_fp32_parameters_in_a_bf16_block():

@@ -1,0 +1,165 @@
+"""Mamba-3 on a GPU, in one process: mambalab's SISO and MIMO scans against mamba-ssm's ``mamba3_siso_combined``,
+and the decode step for r = 1, 2, 4, 8.
+
+Shape (the issue's): b=4, l=4096, h=32 heads, p=64 (headdim), g=1 q/k group, n=128 (d_state), a=32 rotary
+pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
+
+* scan: forward and forward+backward times of
+    - mamba-ssm ``mamba3_siso_combined`` (chunk 64);
+    - mambalab ``mamba3_chunk_scan`` SISO (r=1, chunk 64);
+    - mambalab MIMO r=4 at the same h, p, n (so the same d_model and state size), chunk 64/r = 16 (mamba-ssm's
+      recommendation) and chunk 64;
+  distinct bit patterns of the gradients over ``--reps`` backward passes; the largest SISO differences from
+  mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run.
+* decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
+  step), with its time and the bytes it moves per step.
+
+    python benchmarks/bench_mamba3.py --out DIR          # writes DIR/bench_mamba3.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import mambalab  # noqa: E402,F401
+from common import distinct_patterns, environment, time_ms, write  # noqa: E402
+
+NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+
+
+def make(b, l, h, p, g, n, a, r, seed=0):
+    """Raw inputs as mamba-ssm's module would produce them: trap and angles before sigmoid and π·tanh."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    dt = F.softplus(rn(b, l, h) - 1.0)
+    x = {
+        "q": rn(b, l, r, g, n).bfloat16(), "k": rn(b, l, r, g, n).bfloat16(), "v": rn(b, l, h, p).bfloat16(),
+        "adt": -dt * torch.exp(0.5 * rn(h)), "dt": dt, "trap": rn(b, l, h),
+        "q_bias": 1 + 0.1 * rn(h, r, n), "k_bias": 1 + 0.1 * rn(h, r, n), "angles": rn(b, l, h, a),
+        "D": rn(h), "z": rn(b, l, h, p).bfloat16(),
+    }
+    mimo = {"mimo_v": torch.ones(h, r, p, device="cuda") / r, "mimo_z": torch.ones(h, r, p, device="cuda"),
+            "mimo_o": torch.ones(h, r, p, device="cuda") / r} if r > 1 else {}
+    return x, mimo
+
+
+def ours(x, mimo, chunk):
+    from mambalab.ops import mamba3_chunk_scan
+
+    return mamba3_chunk_scan(x["q"], x["k"], x["v"], x["adt"], x["dt"], torch.sigmoid(x["trap"]), x["q_bias"],
+                             x["k_bias"], math.pi * torch.tanh(x["angles"]), x["D"], x["z"], **mimo,
+                             chunk_size=chunk)
+
+
+def theirs(x, mimo, chunk):
+    from mambalab import oracle
+
+    siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
+    t = lambda v: v.transpose(1, 2)
+    return siso(x["q"][:, :, 0], x["k"][:, :, 0], x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]),
+                x["q_bias"][:, 0], x["k_bias"][:, 0], x["angles"], x["D"], x["z"], chunk_size=chunk)
+
+
+def run(fn, x, mimo, chunk, dout=None):
+    """One forward (and, with ``dout``, backward); returns (out, grads by name or None)."""
+    leaves = {k: v.detach().requires_grad_(dout is not None) for k, v in x.items()}
+    m = {k: v.detach().requires_grad_(dout is not None) for k, v in mimo.items()}
+    out = fn(leaves, m, chunk)
+    if dout is None:
+        return out, None
+    out.backward(dout)
+    return out, {**{k: v.grad for k, v in leaves.items()}, **{k: v.grad for k, v in m.items()}}
+
+
+def measure(fn, x, mimo, chunk, dout, reps):
+    with torch.no_grad():
+        fwd = time_ms(lambda: run(fn, x, mimo, chunk))
+    fwd_bwd = time_ms(lambda: run(fn, x, mimo, chunk, dout))
+    runs = [run(fn, x, mimo, chunk, dout)[1] for _ in range(reps)]
+    return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "distinct_grad_patterns": distinct_patterns(runs)}
+
+
+def decode(batch, h, p, g, n, a, r):
+    """Time one mamba3_step; bytes = state in + state out + the token's inputs."""
+    from mambalab.ops import mamba3_step
+    from mambalab.ref.mamba3 import zero_state
+
+    x, mimo = make(batch, 1, h, p, g, n, a, r, seed=1)
+    tok = {k: (v[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else v) for k, v in x.items()}
+    tok["trap"], tok["angles"] = torch.sigmoid(tok["trap"]), math.pi * torch.tanh(tok["angles"])
+    state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
+    with torch.no_grad():
+        ms = time_ms(lambda: mamba3_step(state, **tok, **mimo), warmup=10, rep=100)
+    state_bytes = sum(t.numel() * 4 for t in state)
+    token_bytes = sum(t.numel() * t.element_size() for t in tok.values()) + sum(t.numel() * 4 for t in mimo.values())
+    moved = 2 * state_bytes + token_bytes
+    flops = batch * h * (6 * r * p * n)   # β U_prev, γ U (2 r p n each, fused multiply-adds) and H q̂ per rank
+    return {"r": r, "batch": batch, "ms": ms, "bytes": moved, "GB_per_s": moved / ms / 1e6,
+            "flops": flops, "flops_per_byte": flops / moved}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="directory for bench_mamba3.json")
+    ap.add_argument("--shape", type=int, nargs=7, default=[4, 4096, 32, 64, 1, 128, 32],
+                    metavar=("B", "L", "H", "P", "G", "N", "A"))
+    ap.add_argument("--reps", type=int, default=5, help="repeated backward passes for the bit-pattern count")
+    ap.add_argument("--decode-batch", type=int, default=16)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_mamba3 needs a CUDA GPU")
+    b, l, h, p, g, n, a = args.shape
+    result = {"environment": environment(), "shape": dict(b=b, l=l, h=h, p=p, g=g, n=n, a=a), "dtype": "bf16"}
+
+    x1, m1 = make(b, l, h, p, g, n, a, 1)
+    dout = torch.randn(b, l, h, p, device="cuda").bfloat16()
+    scan = {}
+    try:
+        scan["mamba_ssm_siso_c64"] = measure(theirs, x1, m1, 64, dout, args.reps)
+    except Exception as e:  # noqa: BLE001 - record why the rival did not run, keep measuring ours
+        scan["mamba_ssm_siso_c64"] = {"error": f"{type(e).__name__}: {e}"}
+    print("mamba_ssm_siso_c64", scan["mamba_ssm_siso_c64"], flush=True)  # progress, for runs cut short
+    scan["mambalab_siso_c64"] = measure(ours, x1, m1, 64, dout, args.reps)
+    print("mambalab_siso_c64", scan["mambalab_siso_c64"], flush=True)
+    x4, m4 = make(b, l, h, p, g, n, a, 4)
+    for chunk in (16, 64):
+        scan[f"mambalab_mimo4_c{chunk}"] = measure(ours, x4, m4, chunk, dout, args.reps)
+        print(f"mambalab_mimo4_c{chunk}", scan[f"mambalab_mimo4_c{chunk}"], flush=True)
+    result["scan"] = scan
+
+    if "error" not in scan["mamba_ssm_siso_c64"]:
+        o, go = run(ours, x1, m1, 64, dout)
+        t, gt = run(theirs, x1, m1, 64, dout)
+        result["siso_vs_mamba_ssm"] = {
+            "max_abs_diff": {"out": (o.float() - t.float()).abs().max().item(),
+                             **{k: (go[k].float() - gt[k].float()).abs().max().item() for k in NAMES}},
+            "max_abs_mamba_ssm": {"out": t.float().abs().max().item(),
+                                  **{k: gt[k].float().abs().max().item() for k in NAMES}},
+        }
+    siso = scan["mambalab_siso_c64"]["fwd_bwd_ms"]
+    ratios = {f"mimo4_c{c}_over_siso_fwd_bwd": scan[f"mambalab_mimo4_c{c}"]["fwd_bwd_ms"] / siso for c in (16, 64)}
+    if "error" not in scan["mamba_ssm_siso_c64"]:
+        ratios["siso_over_mamba_ssm_fwd_bwd"] = siso / scan["mamba_ssm_siso_c64"]["fwd_bwd_ms"]
+        ratios["siso_over_mamba_ssm_fwd"] = scan["mambalab_siso_c64"]["fwd_ms"] / scan["mamba_ssm_siso_c64"]["fwd_ms"]
+    result["ratios"] = ratios
+    result["targets"] = {"siso_over_mamba_ssm_fwd_bwd": 1.2, "mimo4_over_siso_fwd_bwd": 1.5}
+
+    steps = [decode(args.decode_batch, h, p, g, n, a, r) for r in (1, 2, 4, 8)]
+    for s in steps:
+        s["ms_over_r1"] = s["ms"] / steps[0]["ms"]
+    result["decode"] = steps
+    write(Path(args.out) / "bench_mamba3.json", result)
+    print({k: round(v, 3) for k, v in ratios.items()})
+    for s in steps:
+        print(f"decode r={s['r']}: {s['ms'] * 1e3:.1f} us, {s['GB_per_s']:.0f} GB/s, {s['flops_per_byte']:.2f} flop/B")
+
+
+if __name__ == "__main__":
+    main()

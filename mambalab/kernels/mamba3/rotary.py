@@ -1,0 +1,150 @@
+"""Mamba-3's q̂ and k̂: per-head bias and rotation by the cumulative angle, forward and backward.
+
+Math (per position t, rank r, head h reading group γ(h) = h // (H / g); pairs i < a turn, the rest do not):
+
+    x̃ = x[t, r, γ(h)] + bias[h, r]                              (n,)
+    out[t, r, h, 2i]   = x̃_{2i} cos θ[t, h, i] - x̃_{2i+1} sin θ[t, h, i]
+    out[t, r, h, 2i+1] = x̃_{2i} sin θ[t, h, i] + x̃_{2i+1} cos θ[t, h, i]
+
+Backward, from dout (the rotation is orthogonal, so its transpose turns back by -θ):
+
+    dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
+    dθ[t, h, i] = Σ_r (dout_{2i+1} out_{2i} - dout_{2i} out_{2i+1})
+
+The sum over a group's heads and over ranks stays inside a program (heads in order); the sum over positions
+for dbias is a reduction across programs: per-program partials folded by
+:func:`mambalab.kernels.reduce.sum_partials` (never atomics).
+
+The output is written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
+
+Tile rule (shape only): BLOCK_T = 32 positions of the flattened (b·l) axis per program, BLOCK_N2 =
+next_pow2(n / 2) pairs; forward programs are (position block, head), backward programs (position block, group).
+
+Shapes: x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> out (b, l, r, h, n).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mambalab.kernels.reduce import sum_partials
+
+BLOCK_T = 32
+
+
+@triton.jit
+def rotary_fwd_kernel(
+    x_ptr,            # (T, r, g, n) T = b·l positions
+    bias_ptr,         # (h, r, n) fp32
+    theta_ptr,        # (T, h, a) fp32
+    out_ptr,          # (T, r, h, n) out
+    T, h, g, n, a,
+    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    hd = tl.program_id(1)
+    grp = hd // (h // g)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, BLOCK_N2)
+    mask_t = offs_t < T
+    mask = mask_t[:, None] & (offs_i < n // 2)[None, :]
+    th = tl.load(theta_ptr + (offs_t[:, None].to(tl.int64) * h + hd) * a + offs_i[None, :],
+                 mask=mask_t[:, None] & (offs_i < a)[None, :], other=0.0)
+    cos = tl.cos(th)
+    sin = tl.sin(th)
+    for r in tl.static_range(R):
+        src = ((offs_t[:, None].to(tl.int64) * R + r) * g + grp) * n + 2 * offs_i[None, :]
+        bb = bias_ptr + (hd * R + r) * n + 2 * offs_i
+        x0 = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(bb, mask=offs_i < n // 2, other=0.0)[None, :]
+        x1 = tl.load(x_ptr + src + 1, mask=mask, other=0.0).to(tl.float32) + \
+            tl.load(bb + 1, mask=offs_i < n // 2, other=0.0)[None, :]
+        dst = ((offs_t[:, None].to(tl.int64) * R + r) * h + hd) * n + 2 * offs_i[None, :]
+        tl.store(out_ptr + dst, (x0 * cos - x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + dst + 1, (x0 * sin + x1 * cos).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_fwd(x, bias, theta, out_dtype):
+    """Launch the forward. x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32
+    -> (b, l, r, h, n) in ``out_dtype``."""
+    b, l, r, g, n = x.shape
+    h, a = bias.shape[0], theta.shape[-1]
+    out = torch.empty(b, l, r, h, n, device=x.device, dtype=out_dtype)
+    T = b * l
+    rotary_fwd_kernel[(triton.cdiv(T, BLOCK_T), h)](
+        x, bias, theta, out, T, h, g, n, a,
+        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
+    return out
+
+
+@triton.jit
+def rotary_bwd_kernel(
+    x_ptr,            # (T, r, g, n) the forward's input
+    bias_ptr,         # (h, r, n) fp32
+    theta_ptr,        # (T, h, a) fp32
+    dout_ptr,         # (T, r, h, n)
+    dx_ptr,           # (T, r, g, n) fp32 out
+    dbias_ptr,        # (programs along T, h, r, n) fp32 out: partials
+    dtheta_ptr,       # (T, h, a) fp32 out
+    T, h, g, n, a,
+    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    grp = tl.program_id(1)
+    e = h // g                                                     # heads per group
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_i = tl.arange(0, BLOCK_N2)
+    mask_t = offs_t < T
+    mask_i = offs_i < n // 2
+    mask = mask_t[:, None] & mask_i[None, :]
+    mask_a = mask_t[:, None] & (offs_i < a)[None, :]
+    rows = offs_t[:, None].to(tl.int64)
+    for r in tl.static_range(R):
+        src = ((rows * R + r) * g + grp) * n + 2 * offs_i[None, :]
+        xr0 = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+        xr1 = tl.load(x_ptr + src + 1, mask=mask, other=0.0).to(tl.float32)
+        dx0 = tl.zeros((BLOCK_T, BLOCK_N2), dtype=tl.float32)
+        dx1 = tl.zeros((BLOCK_T, BLOCK_N2), dtype=tl.float32)
+        for j in range(0, e):                                      # the group's heads, in order
+            hd = grp * e + j
+            th_off = (rows * h + hd) * a + offs_i[None, :]
+            th = tl.load(theta_ptr + th_off, mask=mask_a, other=0.0)
+            cos = tl.cos(th)
+            sin = tl.sin(th)
+            bb = bias_ptr + (hd * R + r) * n + 2 * offs_i
+            x0 = xr0 + tl.load(bb, mask=mask_i, other=0.0)[None, :]
+            x1 = xr1 + tl.load(bb + 1, mask=mask_i, other=0.0)[None, :]
+            dst = ((rows * R + r) * h + hd) * n + 2 * offs_i[None, :]
+            d0 = tl.load(dout_ptr + dst, mask=mask, other=0.0).to(tl.float32)
+            d1 = tl.load(dout_ptr + dst + 1, mask=mask, other=0.0).to(tl.float32)
+            dth = d1 * (x0 * cos - x1 * sin) - d0 * (x0 * sin + x1 * cos)
+            if r > 0:                                              # ranks in order: add to the earlier ones
+                dth += tl.load(dtheta_ptr + th_off, mask=mask_a, other=0.0)
+            tl.store(dtheta_ptr + th_off, dth, mask=mask_a)
+            hx0 = d0 * cos + d1 * sin                              # Rot(-θ) dout: this head's dx̃
+            hx1 = d1 * cos - d0 * sin
+            part = dbias_ptr + ((pid_t * h + hd) * R + r) * n + 2 * offs_i
+            tl.store(part, tl.sum(hx0, axis=0), mask=mask_i)       # padding rows are 0 (masked loads)
+            tl.store(part + 1, tl.sum(hx1, axis=0), mask=mask_i)
+            dx0 += hx0
+            dx1 += hx1
+        tl.store(dx_ptr + src, dx0, mask=mask)
+        tl.store(dx_ptr + src + 1, dx1, mask=mask)
+
+
+def rotary_bwd(dout, x, bias, theta):
+    """Launch the backward. dout (b, l, r, h, n) contiguous -> (dx (b, l, r, g, n) fp32, dbias (h, r, n) fp32,
+    dtheta (b, l, h, a) fp32)."""
+    b, l, r, g, n = x.shape
+    h, a = bias.shape[0], theta.shape[-1]
+    T = b * l
+    blocks = triton.cdiv(T, BLOCK_T)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    dx = torch.empty(b, l, r, g, n, **f32)
+    partials = torch.empty(blocks, h, r, n, **f32)
+    dtheta = torch.empty(b, l, h, a, **f32)
+    rotary_bwd_kernel[(blocks, g)](
+        x, bias, theta, dout, dx, partials, dtheta, T, h, g, n, a,
+        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
+    return dx, sum_partials(partials, dim=0), dtheta

@@ -1,0 +1,185 @@
+"""Mamba-3's decode step as one Triton kernel: one token, every head, the state updated in one pass.
+
+Math (per batch row and head; see :mod:`mambalab.ref.mamba3`, whose :func:`~mambalab.ref.mamba3.mamba3_step_ref`
+this kernel is checked against):
+
+    θ'      = θ + angles ⊙ Δ                                    new angle state (a,)
+    k̂_r     = Rot(θ') (k_r + k_bias_r),  q̂_r = Rot(θ') (q_r + q_bias_r)
+    U_prev  = Σ_r (v_prev ⊙ W^V_r) k_prev,rᵀ,   U = Σ_r (v ⊙ W^V_r) k̂_rᵀ
+    H'      = α H + (1 - λ) Δ α U_prev + λ Δ U,   α = exp(AΔ)
+    out     = Σ_r W^O_r ⊙ ((H' q̂_r + D v ⊙ W^V_r) ⊙ silu(z ⊙ W^Z_r))     (SISO: no W)
+
+Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
+odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise and no dimension is shuffled.
+A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
+which is what MIMO's R > 1 puts to use.
+
+Tile rule (shape only): one program per (batch row, head, block of BLOCK_P = min(16, next_pow2(p)) head
+dimensions), the state dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step with
+a small batch enough programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed
+by every p-block; the first writes them).
+
+Shapes (contiguous, fp32 on the CPU interpreter): angle (b, h, a), ssm (b, h, p, n), k_prev (b, h, r, n),
+v_prev (b, h, p); q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h); q_bias, k_bias (h, r, n);
+angles (b, h, a); D (h,); mimo_v, mimo_z, mimo_o (h, r, p). Outputs: out (b, h, p) in v's dtype; the new
+state (angle, ssm, k, v) in fp32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotated(x_ptr, bias_ptr, offs_i, mask_i, cos, sin):
+    """(x + bias) at even and odd columns, turned by θ: returns (even, odd), each (BLOCK_N2,) fp32."""
+    x0 = tl.load(x_ptr + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
+    x0 += tl.load(bias_ptr + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
+    x1 += tl.load(bias_ptr + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
+    return x0 * cos - x1 * sin, x0 * sin + x1 * cos
+
+
+@triton.jit
+def mamba3_step_kernel(
+    angle_ptr,        # (b, h, a) θ before the step
+    ssm_ptr,          # (b, h, p, n) H before the step
+    kprev_ptr,        # (b, h, r, n) the previous step's k̂
+    vprev_ptr,        # (b, h, p) the previous step's raw v
+    q_ptr, k_ptr,     # (b, r, g, n) this step's q and k (normalised, no bias)
+    v_ptr,            # (b, h, p)
+    adt_ptr, dt_ptr, trap_ptr,   # (b, h) A·Δ, Δ, λ
+    qbias_ptr, kbias_ptr,        # (h, r, n)
+    angles_ptr,       # (b, h, a) angle rates
+    D_ptr,            # (h,) or a dummy
+    z_ptr,            # (b, h, p) or a dummy
+    wv_ptr, wz_ptr, wo_ptr,      # (h, r, p) MIMO weights, or dummies
+    out_ptr,          # (b, h, p) out
+    angle_out_ptr,    # (b, h, a) out: θ'
+    ssm_out_ptr,      # (b, h, p, n) out: H'
+    k_out_ptr,        # (b, h, r, n) out: k̂
+    v_out_ptr,        # (b, h, p) out: v
+    h, g, p, n, a,    # sizes
+    R: tl.constexpr,             # MIMO rank
+    MIMO: tl.constexpr,          # the W^V, W^Z, W^O weights are given
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK_P: tl.constexpr,       # head dimensions per program
+    BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
+):
+    pid_b = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    pid_p = tl.program_id(2)
+    bh = pid_b * h + pid_h
+    grp = pid_h // (h // g)
+    offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_i = tl.arange(0, BLOCK_N2)                                # pair index: columns 2i and 2i+1
+    mask_p = offs_p < p
+    mask_i = offs_i < n // 2
+    mask_pi = mask_p[:, None] & mask_i[None, :]
+
+    dt = tl.load(dt_ptr + bh).to(tl.float32)
+    alpha = tl.exp(tl.load(adt_ptr + bh).to(tl.float32))
+    lam = tl.load(trap_ptr + bh).to(tl.float32)
+    mask_a = offs_i < a                                            # pairs past a: θ = 0, no turn
+    theta = tl.load(angle_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32)
+    theta += tl.load(angles_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32) * dt
+    cos = tl.cos(theta)
+    sin = tl.sin(theta)
+
+    # the state's even and odd columns, (BLOCK_P, BLOCK_N2) each
+    s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + 2 * offs_i[None, :]
+    S0 = tl.load(ssm_ptr + s_ptrs, mask=mask_pi, other=0.0).to(tl.float32)
+    S1 = tl.load(ssm_ptr + s_ptrs + 1, mask=mask_pi, other=0.0).to(tl.float32)
+    v_prev = tl.load(vprev_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    v_now = tl.load(v_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    S0 *= alpha
+    S1 *= alpha
+    beta = (1.0 - lam) * dt * alpha
+    gamma = lam * dt
+    for r in tl.static_range(R):
+        wv = 1.0
+        if MIMO:
+            wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+        # β U_prev: the previous step's input, rank r
+        kp = kprev_ptr + (bh * R + r) * n
+        kp0 = tl.load(kp + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
+        kp1 = tl.load(kp + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
+        vp = (beta * v_prev * wv)[:, None]
+        S0 += vp * kp0[None, :]
+        S1 += vp * kp1[None, :]
+        # γ U: this step's input, rank r
+        k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
+                          offs_i, mask_i, cos, sin)
+        vn = (gamma * v_now * wv)[:, None]
+        S0 += vn * k0[None, :]
+        S1 += vn * k1[None, :]
+        if pid_p == 0:
+            ko = k_out_ptr + (bh * R + r) * n
+            tl.store(ko + 2 * offs_i, k0, mask=mask_i)
+            tl.store(ko + 2 * offs_i + 1, k1, mask=mask_i)
+    tl.store(ssm_out_ptr + s_ptrs, S0, mask=mask_pi)
+    tl.store(ssm_out_ptr + s_ptrs + 1, S1, mask=mask_pi)
+    tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
+    if pid_p == 0:
+        tl.store(angle_out_ptr + bh * a + offs_i, theta, mask=mask_a)
+
+    if HAS_D:
+        Dh = tl.load(D_ptr + pid_h).to(tl.float32)
+    if HAS_Z:
+        z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+    out = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for r in tl.static_range(R):
+        q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
+                          offs_i, mask_i, cos, sin)
+        y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
+        if MIMO:
+            wrow = (pid_h * R + r) * p + offs_p
+            if HAS_D:
+                y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+            if HAS_Z:
+                zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                y = y * zr * tl.sigmoid(zr)
+            out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+        else:
+            if HAS_D:
+                y += Dh * v_now
+            if HAS_Z:
+                y = y * z * tl.sigmoid(z)
+            out += y
+    tl.store(out_ptr + bh * p + offs_p, out.to(out_ptr.dtype.element_ty), mask=mask_p)
+
+
+def step_block_p(p: int) -> int:
+    """The tile rule's BLOCK_P: min(16, next_pow2(p))."""
+    return min(16, triton.next_power_of_2(p))
+
+
+def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
+                    mimo_v=None, mimo_z=None, mimo_o=None):
+    """Launch the step on validated, contiguous tensors (module docstring). Returns
+    (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32."""
+    b, h, p = v.shape
+    r, g, n = q.shape[1], q.shape[2], q.shape[3]
+    a = angle.shape[2]
+    f32 = dict(device=v.device, dtype=torch.float32)
+    out = torch.empty_like(v)
+    angle_out = torch.empty(b, h, a, **f32)
+    ssm_out = torch.empty(b, h, p, n, **f32)
+    k_out = torch.empty(b, h, r, n, **f32)
+    v_out = torch.empty(b, h, p, **f32)
+    mimo = mimo_v is not None
+    if mimo and mimo_z is None:   # no gate weights without a gate: a dummy, never read (HAS_Z is False)
+        mimo_z = mimo_v
+    block_p = step_block_p(p)
+    grid = (b, h, triton.cdiv(p, block_p))
+    mamba3_step_kernel[grid](
+        angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles,
+        D if D is not None else dt, z if z is not None else v,
+        mimo_v if mimo else v, mimo_z if mimo else v, mimo_o if mimo else v,
+        out, angle_out, ssm_out, k_out, v_out,
+        h, g, p, n, a,
+        R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
+        BLOCK_P=block_p, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+    )
+    return out, angle_out, ssm_out, k_out, v_out

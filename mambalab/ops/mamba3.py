@@ -1,0 +1,213 @@
+"""Mamba-3's chunked scan (with gradients) and decode step on Triton kernels.
+
+* :func:`mamba3_chunk_scan`: the exponential-trapezoidal, rotary, MIMO scan of :mod:`mambalab.ref.mamba3`
+  (arguments of :func:`~mambalab.ref.mamba3.mamba3_chunked`), forward and backward. Triton does the heavy
+  parts: the biased, rotated q̂ and k̂ (:mod:`mambalab.kernels.mamba3.rotary`) and the scan itself, run on
+  the SSD kernels as a rank-expanded SSD (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums
+  over programs through ``reduction``. The cumulative angle, the step weights, the within-step correction
+  (its scores from small matmuls over n) and the per-rank D, gate and W^O are PyTorch around them,
+  differentiated by autograd (no atomics, no index_add).
+* :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
+
+Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
+    q, k (b, l, r, g, n); v, z (b, l, h, p); adt, dt, trap (b, l, h); q_bias, k_bias (h, r, n);
+    angles (b, l, h, a); D (h,); mimo_v, mimo_z, mimo_o (h, r, p) (required when r > 1, absent when r = 1);
+    state: :class:`~mambalab.ref.mamba3.Mamba3State` (angle (b, h, a), ssm (b, h, p, n), k (b, h, r, n),
+    v (b, h, p)). The step takes the same tensors without their l axis.
+"""
+from __future__ import annotations
+
+import torch
+
+from mambalab import device as _device
+from mambalab import validate
+from mambalab.kernels import mamba3 as _kernels
+from mambalab.kernels.ssd.tiles import MIN_DOT
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
+                                 cumulative_angle, entering_state, rank_inputs, step_weights, within_step_scores)
+
+REDUCTIONS = (None, "atomic", "deterministic")
+_NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
+          "mimo_o")
+
+
+def _check(args, state, *, per_token, chunk_size=None):
+    """The reference's checks, plus the kernels' own: no fp64, a chunk of at least 16 positions, a device
+    the kernels run on. Returns (b, l, h, p, g, n, r, a)."""
+    for name, t in zip(_NAMES, args):
+        if t is not None:
+            validate.tensor(name, t)
+    if state is not None:
+        for name, t in state._asdict().items():
+            validate.tensor(f"state.{name}", t)
+    sizes = check_inputs(*args, state, per_token=per_token, chunk_size=chunk_size)
+    r = sizes[6]
+    if chunk_size is not None and r & (r - 1):
+        raise ValueError(f"the chunked kernels take a power-of-two rank r (1, 2, 4, 8, …); got r = {r} "
+                         "(q.shape[-3])")
+    if chunk_size is not None and chunk_size * r < MIN_DOT:
+        raise ValueError(f"chunk_size · r must be at least {MIN_DOT} (the kernels' dot products); got "
+                         f"chunk_size = {chunk_size}, r = {r}")
+    _device.ensure_kernel_device(args[2].device)
+    return sizes
+
+
+class RotaryFn(torch.autograd.Function):
+    """q̂ or k̂ in the rank-expanded layout: :func:`mambalab.kernels.mamba3.rotary_fwd` / ``rotary_bwd``.
+
+    x (b, l, r, g, n); bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> (b, l, r, h, n) in ``out_dtype``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, theta, out_dtype):
+        x_ = x.contiguous()
+        ctx.save_for_backward(x_, bias, theta)
+        return _kernels.rotary_fwd(x_, bias, theta, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        x, bias, theta = ctx.saved_tensors
+        dx, dbias, dtheta = _kernels.rotary_bwd(dout.contiguous(), x, bias, theta)
+        return dx.to(x.dtype), dbias, dtheta, None
+
+
+class Mamba3ScanFn(torch.autograd.Function):
+    """The rank-expanded SSD: :func:`mambalab.kernels.mamba3.mamba3_scan_fwd` / ``mamba3_scan_bwd``.
+
+    B, C (b, l·r, h, n), x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial
+    (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, B, C, x, adt, sigma, initial, r, chunk_size, reduction):
+        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
+        ctx.save_for_backward(B, C, x, fwd.delta, fwd.cs, fwd.entering)
+        ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
+        ctx.has_init, ctx.reduction = initial is not None, reduction
+        ctx.set_materialize_grads(False)
+        return fwd.y, fwd.final
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        B, C, x, delta, cs, entering = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
+        dfinal = None if dfinal is None else dfinal.float().contiguous()
+        fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, entering, ctx.tiles)
+        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
+        return g.dB.to(B.dtype), g.dC.to(C.dtype), g.dx, g.dadt, g.dsigma, g.dinitial, None, None, None
+
+
+class RankOutputsFn(torch.autograd.Function):
+    """out = Σ_r W^O_r ⊙ (y_r + v ⊙ M_r) ⊙ silu(z ⊙ W^Z_r): :func:`mambalab.kernels.mamba3.rank_outputs_fwd` /
+    ``rank_outputs_bwd``. y (T, r, h, p); v, z (T, h, p); M (T, h, r, p) or (T, h, 1) fp32; wz, wo (h, r, p)
+    fp32 or None -> out (T, h, p) in v's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, v, z, M, wz, wo):
+        ctx.save_for_backward(y, v, z, M, wz, wo)
+        return _kernels.rank_outputs_fwd(y, v, z, M, wz, wo)
+
+    @staticmethod
+    def backward(ctx, dout):
+        y, v, z, M, wz, wo = ctx.saved_tensors
+        dy, dv, dz, dM, dwz, dwo = _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, M, wz, wo)
+        return dy, dv.to(v.dtype), None if dz is None else dz.to(z.dtype), dM, dwz, dwo
+
+
+def output_mix(scores, gamma, sigma, D, mimo_v):
+    """M of :mod:`mambalab.kernels.mamba3.rank_outputs`: the within-step correction and D skip as weights on v,
+
+        M_r = Σ_{r'} c_{r,r'} (q̂_r · k̂_r') W^V_{r'} + D W^V_r       (b, l, h, r, p)
+        SISO: M = c_{0,0} q̂ · k̂ + D                                  (b, l, h, 1)
+    """
+    coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
+    if mimo_v is None:
+        M = coef[..., 0]                                                      # (b, l, h, 1)
+        return M if D is None else M + D[:, None]
+    M = torch.einsum("blhrj,hjp->blhrp", coef, mimo_v)
+    return M if D is None else M + D[:, None, None] * mimo_v
+
+
+def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
+                      mimo_o=None, initial_state=None, return_final_state=False, chunk_size=64, reduction=None):
+    """Mamba-3's scan with gradients: the arguments and results of :func:`mambalab.ref.mamba3.mamba3_chunked`.
+
+    Per head (module docstring of :mod:`mambalab.ref.mamba3` for the rest):
+
+        H_t = α_t H_{t-1} + (1 - λ_t) Δ_t α_t U_{t-1} + λ_t Δ_t U_t,   U_t = Σ_r (v_t ⊙ W^V_r) k̂_{t,r}ᵀ
+        out_t = Σ_r W^O_r ⊙ ((H_t q̂_{t,r} + D v_t ⊙ W^V_r) ⊙ silu(z_t ⊙ W^Z_r))
+
+    chunk_size: steps per chunk, a power of two with chunk_size · r >= 16 (the SSD kernels see chunks of
+        chunk_size · r positions; mamba-ssm suggests 64 for SISO and 64 / r for MIMO).
+    initial_state: a :class:`~mambalab.ref.mamba3.Mamba3State` or None. return_final_state: also return the
+        state after the last step (fp32; gradients flow from its ssm, k and angle).
+    reduction: how the SSD backward sums over programs: "deterministic" (per-program partials folded in a
+        fixed order by :func:`mambalab.kernels.reduce.sum_partials`; None means this) or "atomic".
+
+    Returns out (b, l, h, p) in v's dtype, or (out, final state). Inputs fp32/fp16/bf16: q, k, v, z are read
+    in their dtype on a GPU (fp32 on the CPU interpreter), q̂, k̂ and the scan's inputs written in v's dtype;
+    step sizes, angles, biases, weights, the correction and the state are fp32.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
+    reduction = reduction or "deterministic"
+    args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
+    b, l, h, p, g, n, r, a = _check(args, initial_state, per_token=False, chunk_size=chunk_size)
+    dtype_in = v.dtype
+    kd = _device.compute_dtype(dtype_in, v.device)
+    act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
+    f32 = lambda t: None if t is None else t.float()                          # the rest: fp32
+    q, k, v, z = act(q), act(k), act(v), act(z)
+    adt, dt, trap, q_bias, k_bias, angles, D, mimo_v, mimo_z, mimo_o = map(
+        f32, (adt, dt, trap, q_bias, k_bias, angles, D, mimo_v, mimo_z, mimo_o))
+    if initial_state is not None:
+        initial_state = Mamba3State(*(t.float() for t in initial_state))
+
+    theta = cumulative_angle(angles, dt, initial_state).contiguous()         # (b, l, h, a)
+    q_hat = RotaryFn.apply(q, q_bias.contiguous(), theta, kd)                 # (b, l, r, h, n)
+    k_hat = RotaryFn.apply(k, k_bias.contiguous(), theta, kd)
+    v_r = rank_inputs(v, mimo_v, r)                                           # (b, l, r, h, p)
+    gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
+    entering0 = entering_state(initial_state, dt, trap, mimo_v)
+    flat = lambda t: t.flatten(1, 2).to(kd).contiguous()                     # (b, l, r, ...) -> (b, l·r, ...)
+    y, final = Mamba3ScanFn.apply(flat(k_hat), flat(q_hat), flat(v_r), adt.contiguous(), sigma.contiguous(),
+                                  None if entering0 is None else entering0.contiguous(), r, chunk_size,
+                                  reduction)
+    scores = within_step_scores(q.float(), k.float(), q_bias, k_bias)         # (b, l, h, r, r')
+    M = output_mix(scores, gamma, sigma, D, mimo_v)
+    T = b * l
+    out = RankOutputsFn.apply(y.view(T, r, h, p), v.reshape(T, h, p).contiguous(),
+                              None if z is None else z.reshape(T, h, p).contiguous(),
+                              M.reshape(T, h, *M.shape[3:]).contiguous(),
+                              None if mimo_z is None else mimo_z.contiguous(),
+                              None if mimo_o is None else mimo_o.contiguous())
+    out = out.view(b, l, h, p).to(dtype_in)
+    if not return_final_state:
+        return out
+    k_last = biased_rotated(k[:, -1].float(), k_bias, theta[:, -1]).transpose(1, 2)   # (b, h, r, n) in fp32
+    return out, Mamba3State(theta[:, -1], final, k_last, v[:, -1].float())
+
+
+def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
+                mimo_o=None):
+    """One decoding step of Mamba-3 (one Triton kernel): the arguments and results of
+    :func:`mambalab.ref.mamba3.mamba3_step_ref`.
+
+    state: :class:`~mambalab.ref.mamba3.Mamba3State`; q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h);
+    q_bias, k_bias (h, r, n); angles (b, h, a); D (h,); mimo_* (h, r, p) -> (out (b, h, p) in v's dtype, new
+    state in fp32). Forward only: raises NotImplementedError when autograd would need a graph.
+    """
+    args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
+    _check(args, state, per_token=True)
+    tensors = [t for t in (*args, *state) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise NotImplementedError("mamba3_step is a decoding kernel without a backward and an input requires "
+                                  "grad: call it under torch.no_grad(), or use mamba3_chunk_scan for gradients")
+    kd = _device.compute_dtype(v.dtype, v.device)
+    # activations in the kernels' dtype; step sizes, angles, biases and the state in fp32
+    activations = {"q", "k", "v", "z", "mimo_v", "mimo_z", "mimo_o"}
+    prep = lambda name, t: None if t is None else t.to(kd if name in activations else torch.float32).contiguous()
+    f32 = lambda t: t.float().contiguous()
+    out, angle, ssm, k_new, v_new = _kernels.mamba3_step_fwd(
+        f32(state.angle), f32(state.ssm), f32(state.k), f32(state.v), *(prep(*na) for na in zip(_NAMES, args)))
+    return out.to(v.dtype), Mamba3State(angle, ssm, k_new, v_new)

@@ -1,0 +1,287 @@
+"""mambalab.kernels.mamba3 and mambalab.ops.mamba3_chunk_scan / mamba3_step against mambalab.ref.mamba3:
+forward, final state and every gradient; the rank cumsum kernel on its own; the backward's bits repeat; the
+decode kernel; bad input named before any launch. On a GPU also: larger shapes, and the SISO path against
+mamba-ssm's ``mamba3_siso_combined``.
+
+On the CPU the kernels run in Triton's interpreter, in fp32; the shapes are tiny (p, n >= 16 for tl.dot)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mambalab.kernels.mamba3 import (rank_cumsum_bwd, rank_cumsum_fwd, rank_outputs_bwd, rank_outputs_fwd,
+                                     rotary_bwd, rotary_fwd)
+from mambalab.ops import mamba3_chunk_scan, mamba3_step
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, expand_ranks, mamba3_chunked, mamba3_step_ref,
+                                 rank_outputs, zero_state)
+
+from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
+
+SEQUENCE = ("q", "k", "v", "adt", "dt", "trap", "angles", "z")
+
+
+def leaves(inputs):
+    out = {}
+    for name, t in inputs.items():
+        if isinstance(t, Mamba3State):
+            out.update({f"initial_state.{f}": s for f, s in zip(Mamba3State._fields, t)})
+        elif t is not None:
+            out[name] = t
+    return out
+
+
+def run_with_grads(fn, inputs, dy, ds, **kw):
+    """out, final state and the gradients of <out, dy> + <state, ds> for every input tensor."""
+    out, state = fn(**inputs, return_final_state=True, **kw)
+    names, tensors = zip(*leaves(inputs).items())
+    loss = (out.float() * dy).sum() + sum((s.float() * d).sum() for s, d in zip(state, ds))
+    grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+    return out, state, dict(zip(names, grads))
+
+
+def assert_close(got, want, what, tol):
+    """Agreement relative to the size of the reference: max |got - want| <= tol · (max |want| + 1)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    err = (got - want).abs().max().item()
+    scale = want.abs().max().item() + 1.0
+    assert err <= tol * scale, f"{what}: max error {err:.3g} > {tol} · {scale:.3g}"
+
+
+# ---------------------------------------------------------------------------------------------- chunked scan
+CASES = [  # b, l, h, p, g, n, r, a, chunk_size, init, reduction, D and z given
+    (2, 21, 4, 16, 2, 16, 1, 3, 16, True, None, True),
+    (1, 13, 2, 16, 1, 16, 2, 8, 8, False, "atomic", True),
+    (1, 11, 2, 16, 2, 16, 4, 4, 4, True, None, True),
+    (1, 5, 2, 16, 1, 16, 8, 2, 2, False, None, True),
+    (1, 7, 2, 16, 1, 16, 1, 2, 16, False, None, False),
+    (1, 7, 2, 16, 1, 16, 2, 2, 8, True, None, False),
+]
+
+
+@pytest.mark.parametrize("b, l, h, p, g, n, r, a, q, init, reduction, dz", CASES)
+def test_chunk_scan_matches_reference(b, l, h, p, g, n, r, a, q, init, reduction, dz):
+    ref_in = make_mamba3_inputs(b, l, h, p, g, n, r, a, D=dz, z=dz, init=init, dtype=torch.float64, seed=r)
+    for t in leaves(ref_in).values():
+        t.requires_grad_(True)
+    ker_in = {k: (Mamba3State(*(s.detach().float().to(KERNEL_DEVICE) for s in t)) if isinstance(t, Mamba3State)
+                  else None if t is None else t.detach().float().to(KERNEL_DEVICE))
+              for k, t in ref_in.items()}
+    for t in leaves(ker_in).values():
+        t.requires_grad_(True)
+    gen = torch.Generator().manual_seed(0)
+    dy = torch.randn(b, l, h, p, generator=gen, dtype=torch.float64)
+    state_shapes = ((b, h, a), (b, h, p, n), (b, h, r, n), (b, h, p))
+    ds = [torch.randn(s, generator=gen, dtype=torch.float64) for s in state_shapes]
+
+    y_ref, s_ref, g_ref = run_with_grads(mamba3_chunked, ref_in, dy, ds, chunk_size=q)
+    y, s, g = run_with_grads(mamba3_chunk_scan, ker_in, dy.float().to(KERNEL_DEVICE),
+                             [d.float().to(KERNEL_DEVICE) for d in ds], chunk_size=q, reduction=reduction)
+    assert y.dtype == torch.float32 and y.shape == (b, l, h, p)
+    assert_close(y, y_ref, "out", 1e-5)
+    for f, got, want in zip(Mamba3State._fields, s, s_ref):
+        assert_close(got, want, f"final state.{f}", 1e-5)
+    for name in g_ref:
+        assert g[name] is not None, f"no gradient reaches {name}"
+        assert_close(g[name], g_ref[name], f"d {name}", 1e-4)
+
+
+def test_backward_bits_repeat():
+    """The deterministic backward gives the same bits on every run."""
+    inp = make_mamba3_inputs(1, 9, 2, 16, 1, 16, 2, 4, dtype=torch.float32, seed=4, device=KERNEL_DEVICE)
+    for t in leaves(inp).values():
+        t.requires_grad_(True)
+    dy = torch.randn(1, 9, 2, 16, device=KERNEL_DEVICE)
+    runs = [torch.autograd.grad((mamba3_chunk_scan(**inp, chunk_size=8) * dy).sum(), list(leaves(inp).values()))
+            for _ in range(2)]
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_rank_cumsum_kernel():
+    """Step 0 on its own: Δ and cs against expand_ranks + a within-chunk cumsum, and its backward against
+    autograd through them (ρ and the sum over ranks)."""
+    b, l, h, r, q = 2, 7, 3, 4, 4
+    adt = -torch.rand(b, l, h, dtype=torch.float64)
+    sigma = torch.rand(b, l, h, dtype=torch.float64)
+    adt.requires_grad_(True)
+    sigma.requires_grad_(True)
+    c = math.ceil(l / q)
+    pad = c * q * r - l * r
+    *_, a, w = expand_ranks(torch.zeros(b, l, r, h, 1), torch.zeros(b, l, r, h, 1), torch.zeros(b, l, r, h, 1),
+                            adt, sigma)                                   # (b, l·r, h)
+    chunks = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(b, c, q * r, h).permute(0, 3, 1, 2)   # (b, h, c, Q)
+    delta_ref, cs_ref = chunks(w), chunks(a).cumsum(-1)
+
+    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
+    delta, cs = rank_cumsum_fwd(dev(adt), dev(sigma), r, q, block_h=4)
+    assert_close(delta, delta_ref, "Δ", 1e-6)
+    assert_close(cs, cs_ref, "cs", 1e-6)
+
+    # the SSD backward's gradients: dΔ, dcs (row + col), da (the chunk total) and dws (exponents cs_last - cs_j)
+    gen = torch.Generator().manual_seed(2)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    ddelta, dcs_row, dcs_col, dws, da = rnd(*delta.shape), rnd(*cs.shape), rnd(*cs.shape), rnd(*cs.shape), rnd(b, h, c)
+    loss = (delta_ref * ddelta).sum() + (cs_ref * (dcs_row + dcs_col)).sum() + (cs_ref[..., -1] * da).sum() \
+        + ((cs_ref[..., -1:] - cs_ref) * dws).sum()
+    dadt_ref, dsigma_ref = torch.autograd.grad(loss, (adt, sigma))
+    dadt, dsigma = rank_cumsum_bwd(dev(ddelta), dev(dcs_row), dev(dcs_col), dev(da), dev(dws), l, r, block_h=4)
+    assert_close(dadt, dadt_ref, "d adt", 1e-5)
+    assert_close(dsigma, dsigma_ref, "d sigma", 1e-5)
+
+
+@pytest.mark.parametrize("r, g, h, n, a", [(1, 1, 4, 16, 4), (3, 2, 4, 12, 6), (2, 2, 2, 10, 1)])
+def test_rotary_kernel(r, g, h, n, a):
+    """q̂ / k̂ on their own: forward against biased_rotated, backward (dx summed over a group's heads, dbias
+    over positions, dθ over ranks) against autograd through it. l·b = 34 positions: two blocks, one partial."""
+    b, l = 2, 17
+    gen = torch.Generator().manual_seed(r)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    x, bias, theta = rnd(b, l, r, g, n), rnd(h, r, n), rnd(b, l, h, a)
+    for t in (x, bias, theta):
+        t.requires_grad_(True)
+    want = biased_rotated(x, bias, theta)                                       # (b, l, r, h, n)
+    dout = rnd(*want.shape)
+    dx_ref, dbias_ref, dtheta_ref = torch.autograd.grad((want * dout).sum(), (x, bias, theta))
+    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
+    got = rotary_fwd(dev(x), dev(bias), dev(theta), torch.float32)
+    assert_close(got, want, "q̂", 1e-6)
+    dx, dbias, dtheta = rotary_bwd(dev(dout), dev(x), dev(bias), dev(theta))
+    assert_close(dx, dx_ref, "dx", 1e-5)
+    assert_close(dbias, dbias_ref, "dbias", 1e-5)
+    assert_close(dtheta, dtheta_ref, "dθ", 1e-5)
+
+
+@pytest.mark.parametrize("r, z", [(1, True), (1, False), (4, True), (2, False)])
+def test_rank_outputs_kernel(r, z):
+    """The fused output stage against ref.rank_outputs on y + v ⊙ M (D folded into M), forward and backward.
+    T = 37 positions: two blocks, one partial; p = 20 (a padded head)."""
+    T, h, p = 37, 3, 20
+    gen = torch.Generator().manual_seed(r)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    y, v = rnd(T, r, h, p), rnd(T, h, p)
+    zz = rnd(T, h, p) if z else None
+    M = rnd(T, h, r, p) if r > 1 else rnd(T, h, 1)
+    wz = rnd(h, r, p) if r > 1 and z else None
+    wo = rnd(h, r, p) if r > 1 else None
+    inputs = [t for t in (y, v, zz, M, wz, wo) if t is not None]
+    for t in inputs:
+        t.requires_grad_(True)
+    pre = y + (v[:, None] * M.transpose(1, 2) if r > 1 else v[:, None] * M[:, None])       # (T, r, h, p)
+    want = rank_outputs(pre, torch.zeros_like(pre), None, zz, wz, wo)
+    dout = rnd(T, h, p)
+    grads = torch.autograd.grad((want * dout).sum(), inputs)
+    dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
+    got = rank_outputs_fwd(dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
+    assert_close(got, want, "out", 1e-5)
+    dy, dv, dz, dM, dwz, dwo = rank_outputs_bwd(dev(dout), dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
+    names = ("dy", "dv", "dz", "dM", "dwz", "dwo")
+    got_grads = [g for g, t in zip((dy, dv, dz, dM, dwz, dwo), (y, v, zz, M, wz, wo)) if t is not None]
+    for name, g, w in zip([n for n, t in zip(names, (y, v, zz, M, wz, wo)) if t is not None], got_grads, grads):
+        assert_close(g, w, name, 1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- decode step
+@pytest.mark.parametrize("r, p, n, a, D, z, init", [
+    (1, 20, 12, 6, True, True, True),
+    (2, 8, 16, 3, False, True, True),
+    (4, 16, 8, 2, True, False, False),
+    (8, 4, 16, 8, True, True, True),
+])
+def test_step_kernel_matches_reference(r, p, n, a, D, z, init):
+    b, h, g = 2, 4, 2
+    inp = make_mamba3_inputs(b, 1, h, p, g, n, r, a, D=D, z=z, init=init, dtype=torch.float32, seed=r)
+    state = inp.pop("initial_state", None) or zero_state(b, h, p, n, r, a, torch.float32, "cpu")
+    tok = {k: (t[:, 0] if k in SEQUENCE and t is not None else t) for k, t in inp.items()}
+    dev = lambda t: None if t is None else t.to(KERNEL_DEVICE)
+    y_ref, s_ref = mamba3_step_ref(state, **tok)
+    for _ in range(2):   # two steps: the second reads the k and v the first wrote
+        y, s = mamba3_step(Mamba3State(*map(dev, state)), **{k: dev(t) for k, t in tok.items()})
+        assert_close(y, y_ref, "out", 1e-5)
+        for f, got, want in zip(Mamba3State._fields, s, s_ref):
+            assert_close(got, want, f"state.{f}", 1e-5)
+        state = s_ref
+        y_ref, s_ref = mamba3_step_ref(state, **tok)
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_bad_input_is_named_before_launch():
+    inp = make_mamba3_inputs(1, 4, 2, 16, 1, 16, 2, 2, dtype=torch.float32)
+    with pytest.raises(TypeError, match="q must have dtype float32, float16, bfloat16; got float64"):
+        mamba3_chunk_scan(**{**inp, "q": inp["q"].double()}, chunk_size=8)
+    with pytest.raises(ValueError, match=r"chunk_size · r must be at least 16.*chunk_size = 4, r = 2"):
+        mamba3_chunk_scan(**inp, chunk_size=4)
+    with pytest.raises(ValueError, match="chunk_size must be a power of two; got 12"):
+        mamba3_chunk_scan(**inp, chunk_size=12)
+    three = make_mamba3_inputs(1, 4, 2, 16, 1, 16, 3, 2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="power-of-two rank r .* got r = 3"):
+        mamba3_chunk_scan(**three, chunk_size=8)
+    with pytest.raises(ValueError, match="reduction must be"):
+        mamba3_chunk_scan(**inp, chunk_size=8, reduction="fast")
+    with pytest.raises(ValueError, match="mimo_z, mimo_o given but r = 1"):
+        one = make_mamba3_inputs(1, 4, 2, 16, 1, 16, 1, 2, dtype=torch.float32)
+        mamba3_chunk_scan(**one, mimo_z=inp["mimo_z"][:, :1], mimo_o=inp["mimo_o"][:, :1], chunk_size=16)
+    tok = {k: (t[:, 0] if k in SEQUENCE and t is not None else t) for k, t in inp.items()}
+    state = zero_state(1, 2, 16, 16, 2, 2, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"q must have shape \(b, r, g, n\)"):
+        mamba3_step(state, **{**tok, "q": inp["q"]})
+    dev = {k: (t.to(KERNEL_DEVICE) if t is not None else None) for k, t in tok.items()}
+    with pytest.raises(NotImplementedError, match="no_grad"):
+        mamba3_step(Mamba3State(*(t.to(KERNEL_DEVICE) for t in state)),
+                    **{**dev, "v": dev["v"].clone().requires_grad_(True)})
+
+
+# ---------------------------------------------------------------------------------------------- GPU only
+@requires_gpu
+def test_gpu_bf16_matches_reference_and_repeats():
+    """bf16 at a realistic head size against the fp64 reference, MIMO r = 4; the backward repeats bitwise."""
+    inp = make_mamba3_inputs(2, 512, 8, 64, 1, 64, 4, 16, dtype=torch.float32, init=True, seed=1, device="cuda")
+    low = {k: (t.bfloat16() if k in ("q", "k", "v", "z") else t) for k, t in inp.items()}
+    ref = mamba3_chunked(**{k: (Mamba3State(*(s.double() for s in t)) if isinstance(t, Mamba3State)
+                                else None if t is None else t.double()) for k, t in low.items()}, chunk_size=16)
+    for t in leaves(low).values():
+        t.requires_grad_(True)
+    y = mamba3_chunk_scan(**low, chunk_size=16)
+    assert y.dtype == torch.bfloat16
+    assert_close(y, ref, "bf16 out", 2e-2)
+    dy = torch.randn_like(y)
+    g1 = torch.autograd.grad((y * dy).sum(), list(leaves(low).values()), retain_graph=True)
+    g2 = torch.autograd.grad((y * dy).sum(), list(leaves(low).values()))
+    for a, b in zip(g1, g2):
+        assert torch.equal(a, b)
+
+
+@requires_gpu
+def test_gpu_siso_matches_mamba_ssm():
+    """SISO against mamba-ssm's mamba3_siso_combined, bf16, forward and gradients.
+
+    Layouts: theirs takes ADT, DT, Trap as (b, h, l), Trap before its sigmoid and Angles before π·tanh (it
+    forms θ = cumsum(π tanh(Angles) · DT) inside); ours takes λ = sigmoid(Trap) and π·tanh(Angles) directly,
+    q, k with a rank axis and biases (h, r, n). Tolerance: max |ours - theirs| <= 3e-2 · (max |theirs| + 1)
+    for the output, 5e-2 for gradients (bf16 inputs; theirs uses approximate sin/cos/sigmoid/tanh).
+    """
+    from mambalab import oracle
+    siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
+    b, l, h, p, g, n, a = 2, 256, 8, 64, 1, 128, 32
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rn = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device="cuda").to(dt)
+    q, k, v, z = rn(b, l, g, n), rn(b, l, g, n), rn(b, l, h, p), rn(b, l, h, p)
+    dt = F.softplus(rn(b, l, h, dt=torch.float32) - 1)
+    adt = -dt * torch.exp(rn(h, dt=torch.float32))
+    trap_raw, ang_raw = rn(b, l, h, dt=torch.float32), rn(b, l, h, a, dt=torch.float32)
+    q_bias, k_bias = 1 + 0.1 * rn(h, n, dt=torch.float32), 1 + 0.1 * rn(h, n, dt=torch.float32)
+    D = rn(h, dt=torch.float32)
+    ours_in = [q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z]
+    for t in ours_in:
+        t.requires_grad_(True)
+    theirs = siso(q, k, v, adt.transpose(1, 2), dt.transpose(1, 2), trap_raw.transpose(1, 2), q_bias, k_bias,
+                  ang_raw, D, z, chunk_size=64)
+    ours = mamba3_chunk_scan(q[:, :, None], k[:, :, None], v, adt, dt, torch.sigmoid(trap_raw), q_bias[:, None],
+                             k_bias[:, None], math.pi * torch.tanh(ang_raw), D, z, chunk_size=64)
+    assert_close(ours, theirs, "out vs mamba3_siso_combined", 3e-2)
+    dy = torch.randn_like(ours)
+    g_ours = torch.autograd.grad((ours * dy).sum(), ours_in)
+    g_theirs = torch.autograd.grad((theirs * dy).sum(), ours_in)
+    names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+    for name, go, gt in zip(names, g_ours, g_theirs):
+        assert_close(go, gt, f"d {name} vs mamba3_siso_combined", 5e-2)
