@@ -179,6 +179,7 @@ def main():
             case["stages_ms_deterministic"] = stages(x, dout, args.chunk, "deterministic")
         print(case, flush=True)
         result["cases"].append(case)
+        write(args.out, result)  # after every case, so a run cut short keeps what it measured
         if args.sweep and dname == "bf16":
             result["tile_sweep_bf16"] = sweep(x, dout, args.chunk)
         del x, dout

@@ -10,8 +10,10 @@
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || exit 1
+if [ ! -f /tmp/site/.mambalab-wheels ]; then   # once per machine (parallel lanes share it)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && touch /tmp/site/.mambalab-wheels || exit 1
+fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 export JUPYTER_PATH=/tmp/site/share/jupyter   # nbconvert's templates, installed with --target
 SDIST=$(ls .carry/mamba_ssm-*.tar.gz)
@@ -43,6 +45,9 @@ for step in "$@"; do
                     tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
     mamba3-bench) timeout 200 python3 benchmarks/bench_mamba3.py --out "$OUT" >"$OUT/mamba3-bench.log" 2>&1
                   tail -5 "$OUT/mamba3-bench.log" ;;
+    det-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_determinism.py tests/test_determinism_kernels.py \
+                 >"$OUT/det-tests.log" 2>&1; tail -5 "$OUT/det-tests.log"
+               timeout 200 python3 benchmarks/fingerprints.py --out "$OUT/fingerprints.json" --repeats 5 >>"$OUT/det-tests.log" 2>&1 ;;
     nb-*) only=${step#nb-}; timeout 500 python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
     *) echo "unknown step $step" ;;
