@@ -1,10 +1,13 @@
 """The ``mambalab`` command (also ``python -m mambalab``).
 
     mambalab doctor [--json]       versions, device, determinism settings in force
+    mambalab fingerprint [options] gradient fingerprint of a fixed Mamba-2 step, with the environment
     mambalab workbook [options]    execute every notebook headless into build/, render offline HTML
+    mambalab train [options]       train a (tensor-parallel) Mamba-2 LM on a synthetic task; run it under
+                                   torchrun for TP/DP (same flags as python -m mambalab.train)
 
-Each subcommand only parses its arguments; the work lives in :mod:`mambalab.doctor` and
-:mod:`mambalab.workbook`.
+Each subcommand only parses its arguments; the work lives in :mod:`mambalab.doctor`,
+:mod:`mambalab.determinism.step` and :mod:`mambalab.workbook`.
 """
 from __future__ import annotations
 
@@ -23,6 +26,20 @@ def _doctor(args: argparse.Namespace) -> int:
     with contextlib.redirect_stdout(sys.stderr):
         report = doctor.collect()
     print(json.dumps(report, indent=2) if args.json else doctor.format_report(report))
+    return 0
+
+
+def _fingerprint(args: argparse.Namespace) -> int:
+    from mambalab.determinism import step
+
+    with contextlib.redirect_stdout(sys.stderr):  # stdout for the report alone
+        try:
+            report = step.run_step(seed=args.seed, reduction=args.reduction, emulate_profile=args.emulate,
+                                   schedule_seed=args.simulate_schedule)
+        except ValueError as err:
+            print(f"mambalab fingerprint: error: {err}", file=sys.stderr)
+            return 2
+    print(json.dumps(report, indent=2) if args.json else step.format_report(report))
     return 0
 
 
@@ -66,6 +83,14 @@ def _workbook(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from mambalab.train.cli import config_from_args
+    from mambalab.train.trainer import train
+
+    train(config_from_args(args))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from mambalab import workbook
 
@@ -79,6 +104,26 @@ def build_parser() -> argparse.ArgumentParser:
                                    "affect reproducibility.")
     p.add_argument("--json", action="store_true", help="print the same as JSON")
     p.set_defaults(func=_doctor)
+
+    from mambalab.determinism import ARCH_PROFILES
+
+    p = sub.add_parser("fingerprint", help="fingerprint the gradients of a fixed Mamba-2 training step",
+                       description="Run one fixed forward+backward step of a small Mamba-2 block from a fixed "
+                                   "seed and print the fingerprint of its gradients (16 hex characters), with "
+                                   "the GPU, its compute capability and SM count, library versions and the "
+                                   "determinism settings. Two machines that print the same fingerprint "
+                                   "computed the same bits.")
+    p.add_argument("--seed", type=int, default=0, help="seed of parameters, input and target (default: 0)")
+    p.add_argument("--reduction", choices=("atomic", "deterministic"), default="deterministic",
+                   help="deterministic: inside mambalab.determinism.deterministic(); atomic: the determinism "
+                        "flags off and atomic reductions (default: %(default)s)")
+    p.add_argument("--emulate", choices=sorted(ARCH_PROFILES), metavar="GPU",
+                   help="run under mambalab.determinism.emulate(GPU): one of " + ", ".join(sorted(ARCH_PROFILES)))
+    p.add_argument("--simulate-schedule", type=int, metavar="SEED",
+                   help="CPU interpreter only: run each launch's programs in a seeded shuffled order, a "
+                        "SIMULATION of a GPU's scheduling (shows atomic reductions varying)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_fingerprint)
 
     p = sub.add_parser("workbook", help="execute the notebooks headless and render them as offline HTML",
                        description="Execute every notebooks/NN_*.ipynb on a fresh kernel with papermill, "
@@ -96,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, metavar="SECONDS",
                    help="fail a notebook if one cell runs longer than this (default: no limit)")
     p.set_defaults(func=_workbook)
+
+    from mambalab.train.cli import add_arguments as add_train_arguments
+
+    p = sub.add_parser("train", help="train a (tensor-parallel) Mamba-2 LM on a synthetic task",
+                       description="Train a small Mamba-2 language model on selective copying or MQAR. One "
+                                   "process by default; under torchrun, --tp N splits it over N ranks and the "
+                                   "remaining ranks are data parallel. Same flags as python -m mambalab.train.")
+    add_train_arguments(p)
+    p.set_defaults(func=_train)
     return parser
 
 

@@ -115,3 +115,39 @@ def test_workbook_builds_pages_and_index_and_names_the_failure(tmp_path):
     index = (out / "index.html").read_text()
     assert 'href="html/00_ok.html"' in index and 'href="html/01_broken.html"' in index
     assert "02_skipped" not in index
+
+
+def _fingerprint_report(capsys, *args):
+    assert cli.main(["fingerprint", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_fingerprint_same_bits_under_every_flag_that_should_not_matter(capsys):
+    """--json and text agree; emulating two GPUs changes nothing in deterministic mode; the report names the
+    environment. On the CPU, the atomic mode under a simulated program order changes dA and dt_bias's bits."""
+    report = json.loads(_fingerprint_report(capsys, "--json", "--emulate", "rtxa6000"))
+    fp = report["fingerprint"]
+    assert re.fullmatch(r"[0-9a-f]{16}", fp)
+    assert report["emulated_profile"] == "rtxa6000" and report["reduction"] == "deterministic"
+    assert report["environment"]["versions"]["torch"] == torch.__version__
+    assert report["environment"]["sm_count"] == (torch.cuda.get_device_properties(0).multi_processor_count
+                                                 if torch.cuda.is_available() else None)   # the real machine's
+    assert report["settings"]["torch_deterministic"] and report["settings"]["autotune"] == "pinned"
+    assert set(report["parameters"]) >= {"A_log", "dt_bias", "D", "in_proj.weight", "out_proj.weight"}
+    assert not torch.are_deterministic_algorithms_enabled()              # the switch was restored
+    text = _fingerprint_report(capsys, "--emulate", "l4")
+    assert f"gradient fingerprint: {fp}" in text and "NVIDIA L4" in text and "SM count" in text
+    if not torch.cuda.is_available():
+        atomic = json.loads(_fingerprint_report(capsys, "--json", "--reduction", "atomic", "--simulate-schedule", "3"))
+        assert atomic["schedule_simulation_seed"] == 3 and atomic["fingerprint"] != fp
+        changed = {k for k, v in atomic["parameters"].items() if v != report["parameters"][k]}
+        assert changed & {"A_log", "dt_bias"}, changed
+        assert "SIMULATED GPU scheduling" in _fingerprint_report(capsys, "--simulate-schedule", "3")
+
+
+def test_fingerprint_rejects_bad_flags(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["fingerprint", "--emulate", "rtx5090"])
+    assert "invalid choice" in capsys.readouterr().err
+    assert cli.main(["fingerprint", "--seed", "-1"]) == 2
+    assert "seed must be a non-negative int" in capsys.readouterr().err

@@ -37,12 +37,16 @@ import torch.nn.functional as F
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
-from mambalab.ref.ssd import effective_dt, ssd_step
+from mambalab.ref.ssd import effective_dt, ssd_ref, ssd_step
 
 __all__ = ["Mamba2"]
 
 # Parameters whose precision matters more than their size: the decay, the skip and Δ's bias.
 FP32_PARAMETERS = ("A_log", "D", "dt_bias")
+# How the SSD is computed: mambalab's Triton kernels (ops.ssd_chunk_scan), or the pure-PyTorch chunked
+# reference (ref.ssd_ref, autograd through plain tensor ops). Same math; the reference is ~500x faster on a
+# CPU, where the kernels run in Triton's interpreter, so multi-process CPU demos and tests use it.
+SCANS = ("kernel", "reference")
 
 
 class Mamba2(nn.Module):
@@ -64,22 +68,30 @@ class Mamba2(nn.Module):
         rmsnorm: gate and normalise with :class:`GatedRMSNorm`; without it, y ⊙ silu(z) inside the scan.
         norm_before_gate: see :class:`GatedRMSNorm`.
         reduction: the SSD backward's reduction ("atomic", "deterministic", or None for the default).
+        scan: "kernel" (Triton, :func:`mambalab.ops.ssd_chunk_scan`) or "reference" (pure PyTorch,
+            :func:`mambalab.ref.ssd.ssd_ref`); see ``SCANS``.
+        d_inner: channels inside the block; default expand · d_model. A tensor-parallel shard passes its
+            own share (d_inner / TP) here, with ngroups / TP groups.
         device, dtype: where and in what dtype to make the parameters (A_log, D and dt_bias are always fp32).
     """
 
     def __init__(self, d_model, d_state=128, d_conv=4, expand=2, headdim=64, ngroups=1, A_init_range=(1, 16),
                  dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), chunk_size=256,
                  conv_bias=True, bias=False, rmsnorm=True, norm_before_gate=False, reduction=None, device=None,
-                 dtype=None):
+                 dtype=None, *, scan="kernel", d_inner=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
         self.d_state = d_state
         self.d_conv = d_conv
         self.expand = expand
-        self.d_inner = int(expand * d_model)
-        if self.d_inner % headdim:
-            raise ValueError(f"headdim = {headdim} must divide d_inner = expand · d_model = {self.d_inner}")
+        self.d_inner = int(expand * d_model) if d_inner is None else int(d_inner)
+        if self.d_inner < 1 or self.d_inner % headdim:
+            raise ValueError(f"headdim = {headdim} must divide d_inner = {self.d_inner} (expand · d_model "
+                             f"unless d_inner is given)")
+        if scan not in SCANS:
+            raise ValueError(f"scan must be one of {SCANS}; got {scan!r}")
+        self.scan = scan
         self.headdim = headdim
         self.nheads = self.d_inner // headdim
         if self.nheads % ngroups:
@@ -113,6 +125,9 @@ class Mamba2(nn.Module):
         # Optimisers that honour it skip weight decay: decaying these towards 0 is not a regulariser.
         for name in FP32_PARAMETERS:
             getattr(self, name)._no_weight_decay = True
+        # Init hooks that honour it (mambalab.modules.lm.reset_biases) leave dt_bias alone: zeroing it like an
+        # ordinary bias would make every head's Δ softplus(0) = 0.69 and erase the spread of memories above.
+        self.dt_bias._no_reinit = True
 
         if rmsnorm:
             self.norm = GatedRMSNorm(self.d_inner, eps=1e-5, group_size=self.d_inner // ngroups,
@@ -168,9 +183,12 @@ class Mamba2(nn.Module):
         A = -torch.exp(self.A_log.float())                                  # (h,)
 
         gate_in_scan = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
-        y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, D=self.D.float(), z=gate_in_scan,
-                           dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
-                           return_final_states=cache is not None, reduction=self.reduction)
+        common = dict(D=self.D.float(), z=gate_in_scan, dt_bias=self.dt_bias.float(), dt_softplus=True,
+                      dt_limit=self.dt_limit, return_final_states=cache is not None)
+        if self.scan == "kernel":
+            y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, reduction=self.reduction, **common)
+        else:
+            y = ssd_ref(x, dt, A, B, C, self.chunk_size, method="chunked", **common)
         if cache is not None:
             y, final_state = y                                              # (b, l, h, p), (b, h, p, n)
             cache[1].copy_(final_state)

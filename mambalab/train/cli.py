@@ -1,0 +1,82 @@
+"""The command line of the trainer: ``python -m mambalab.train`` and ``mambalab train``.
+
+One process (TP = 1):      python -m mambalab.train --steps 50
+Four ranks on one node:    torchrun --standalone --nproc_per_node 4 -m mambalab.train --tp 4
+Two nodes, TP 4 × DP 2:    torchrun --nnodes 2 --node_rank R --nproc_per_node 4 --rdzv_backend c10d \\
+                               --rdzv_endpoint HOST:PORT -m mambalab.train --tp 4
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from mambalab.modules.lm import LMConfig
+from mambalab.train.tasks import TASKS
+from mambalab.train.trainer import INIT_HOOKS, PARAM_DTYPES, TrainConfig
+
+__all__ = ["add_arguments", "config_from_args", "main"]
+
+_MODEL_HELP = {"vocab_size": "vocabulary (TP must divide it)", "d_model": "width of the residual stream",
+               "n_layer": "Mamba-2 blocks", "d_state": "n, state size", "headdim": "p, channels per head",
+               "ngroups": "g, groups of B and C (TP must divide it)", "expand": "d_inner = expand · d_model",
+               "d_conv": "conv width", "chunk_size": "q, SSD chunk length",
+               "tie_embeddings": "share the embedding and head weights", "scan": "kernel (Triton) or reference",
+               "reduction": "SSD backward reduction: atomic or deterministic (default: the switch decides)"}
+_RUN_HELP = {"task": "synthetic task", "steps": "optimizer steps", "batch_size": "sequences per DP replica and step",
+             "seq_len": "tokens per sequence", "lr": "peak learning rate (warmup, then cosine to 10%%)",
+             "tp": "tensor-parallel degree (ranks per TP group)", "dp": "data-parallel degree (0: world / tp)",
+             "sequence_parallel": "split activations along the sequence between blocks",
+             "amp": "auto: bf16 autocast on GPU, none on CPU", "param_dtype": "master parameters' dtype (fp32!)",
+             "init": "full: same weights for every TP degree; local: build only this rank's shard",
+             "init_hook": "apply a zero-every-bias init hook (the pitfall), or one that honours _no_reinit",
+             "out_dir": "metrics.jsonl, config.json, summary.json", "checkpoint_dir": "sharded checkpoints",
+             "checkpoint_every": "steps between checkpoints (0: only at the end)",
+             "resume": "'latest' or a step folder", "deterministic": "turn on mambalab's determinism switch",
+             "timeout_s": "collectives and the watchdog give up after this many seconds",
+             "fail_at_step": "fault injection: rank --fail-rank exits at this step (tests, demos)",
+             "progress": "tqdm bar on rank 0", "backend": "gloo or nccl (default: nccl with CUDA)"}
+_CHOICES = {"task": sorted(TASKS), "amp": ["auto", "bf16", "off"], "param_dtype": sorted(PARAM_DTYPES),
+            "init": ["full", "local"], "init_hook": list(INIT_HOOKS), "scan": ["auto", "kernel", "reference"],
+            "reduction": ["atomic", "deterministic"]}
+
+
+def _add(parser, name, default, help_text=""):
+    flag = "--" + name.replace("_", "-")
+    if isinstance(default, bool):
+        parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+    else:
+        kind = type(default) if default is not None else str
+        parser.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(name), help=help_text,
+                            metavar=None if name in _CHOICES else name.upper())
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags for every TrainConfig and LMConfig field (--d-model, --tp, --sequence-parallel, …)."""
+    run = parser.add_argument_group("run")
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "model":
+            _add(run, f.name, f.default, _RUN_HELP.get(f.name, ""))
+    model = parser.add_argument_group("model")
+    for f in dataclasses.fields(LMConfig):
+        _add(model, f.name, "auto" if f.name == "scan" else f.default, _MODEL_HELP.get(f.name, ""))
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    import torch
+
+    model_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(LMConfig)}
+    if model_kw["scan"] == "auto":   # the kernels on a GPU; on a CPU the reference (the interpreter is slow)
+        model_kw["scan"] = "kernel" if torch.cuda.is_available() else "reference"
+    run_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    return TrainConfig(model=LMConfig(**model_kw), **run_kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import mambalab  # noqa: F401  (before triton: switches on the interpreter on a CPU)
+    from mambalab.train.trainer import train
+
+    parser = argparse.ArgumentParser(prog="python -m mambalab.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    train(config_from_args(parser.parse_args(argv)))
+    return 0

@@ -1,0 +1,332 @@
+"""The training loop: a (tensor- and data-) parallel Mamba-2 language model on a synthetic task.
+
+One step, on every rank:
+
+    ids, targets = make_batch(task, …, seed, step, dp_rank, dp)          the same on the T ranks of a TP group
+    with autocast(bf16 on GPU):  loss = model.loss(ids, targets)          vocab-parallel cross-entropy
+    loss.backward()                                                       the layers' TP collectives
+    sequence parallel: all-reduce the norm weights' gradients over TP
+    data parallel: average every gradient over DP
+    clip by the global gradient norm (sharded parts summed over TP)
+    AdamW step on fp32 master parameters
+
+What makes it safe to run unattended:
+
+* **No hangs.** The process group has a timeout, a collective that loses its peer raises and the trainer
+  turns that into one clear line naming this rank and the step, then exits non-zero; a watchdog thread
+  exits the process if no step finishes within ``timeout_s`` (it catches what a timeout cannot, e.g. NCCL
+  waiting on a dead peer).
+* **Exact resume.** Batches are a function of (seed, step), and checkpoints hold the model shard,
+  the optimizer state and the RNG state, so a resumed run produces the losses an uninterrupted one would.
+* **Same start for every TP degree.** With ``init="full"`` each rank builds the whole TP = 1 model from the
+  seed on the CPU and keeps its shard, so TP = 1, 2 and 4 begin from the same weights and their losses can be
+  compared step by step. ``init="local"`` builds only the shard (for models too large to build whole).
+* **Bitwise repeatable** with ``deterministic``: mambalab's determinism switch is on for the run (and put
+  back after), and ``summary.json`` records each rank's parameter fingerprint, so two runs compare exactly.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mambalab.modules.lm import LMConfig, MambaLM, reset_biases
+from mambalab.parallel import (TensorParallelMambaLM, allreduce_data_parallel_grads, allreduce_replicated_grads,
+                               init_distributed, load_full_state_dict)
+from mambalab.parallel.sharding import REPLICATED, broadcast_parameters, shard_specs
+from mambalab.train.checkpoint import latest_step_dir, load_checkpoint, save_checkpoint
+from mambalab.train.tasks import make_batch
+
+__all__ = ["TrainConfig", "train", "PARAM_DTYPES", "INIT_HOOKS"]
+
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# "zero-biases": a framework-style hook that zeroes every *bias (dt_bias included); "zero-biases-marked":
+# the same hook honouring the _no_reinit marker (dt_bias kept).
+INIT_HOOKS = ("none", "zero-biases", "zero-biases-marked")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run depends on (``python -m mambalab.train --help`` lists them with their defaults)."""
+
+    model: LMConfig = field(default_factory=LMConfig)
+    task: str = "selective_copying"
+    steps: int = 100
+    batch_size: int = 8            # sequences per data-parallel replica and step
+    seq_len: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    warmup: int = 10
+    grad_clip: float = 1.0
+    seed: int = 0
+    tp: int = 1
+    dp: int = 0                    # 0: world_size / tp; else checked against it
+    sequence_parallel: bool = False
+    amp: str = "auto"              # "auto": bf16 autocast on GPU, none on CPU; "bf16"; "off"
+    param_dtype: str = "fp32"      # the master parameters; "fp16" / "bf16" demonstrate the pitfall
+    init: str = "full"             # "full" (same weights for every TP degree) or "local"
+    init_hook: str = "none"        # see INIT_HOOKS
+    out_dir: str | None = None     # metrics.jsonl and summary.json go here (rank 0)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0      # 0: only at the end (if checkpoint_dir is set)
+    resume: str = ""               # "latest": checkpoint_dir's newest checkpoint; or a step folder; "": start fresh
+    deterministic: bool = False
+    timeout_s: float = 120.0       # collectives and the watchdog give up after this long
+    fail_at_step: int = -1         # fault injection for tests and demos: rank fail_rank exits at this step
+    fail_rank: int = 0
+    progress: bool = True          # tqdm bar on rank 0
+    backend: str | None = None     # None: nccl with CUDA, else gloo
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------------------------- helpers
+class Watchdog:
+    """Exit the process if :meth:`beat` is not called for ``timeout_s`` seconds (armed by the first beat)."""
+
+    def __init__(self, timeout_s: float, describe):
+        self.timeout_s, self.describe = timeout_s, describe
+        self.last = None
+        self.step = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mambalab-watchdog")
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        self.last, self.step = time.monotonic(), step
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self):
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            if self.last is not None and time.monotonic() - self.last > self.timeout_s:
+                print(f"mambalab.train: {self.describe()}: no step finished for {self.timeout_s:.0f} s after step "
+                      f"{self.step}; a peer rank has probably failed. Exiting.", file=sys.stderr, flush=True)
+                os._exit(3)
+
+
+def _determinism(cfg: TrainConfig):
+    """(context, model config): mambalab's determinism switch, scoped to the run (issue 5's
+    :func:`mambalab.determinism.deterministic`), or, where that package is missing, its core by hand."""
+    if not cfg.deterministic:
+        return contextlib.nullcontext(), cfg.model
+    try:
+        from mambalab.determinism import deterministic
+    except ImportError:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        return contextlib.nullcontext(), dataclasses.replace(cfg.model, reduction="deterministic")
+    return deterministic(), cfg.model
+
+
+def _fingerprint(model) -> str | None:
+    """A hash of this rank's parameters' exact bits (None without mambalab.determinism)."""
+    try:
+        from mambalab.determinism import fingerprint
+    except ImportError:
+        return None
+    return fingerprint(model)
+
+
+def _build_model(cfg: TrainConfig, layout, device) -> TensorParallelMambaLM:
+    if cfg.init == "full":
+        torch.manual_seed(cfg.seed)
+        full = MambaLM(cfg.model)                                   # on the CPU, fp32
+        if cfg.init_hook != "none":
+            reset_biases(full, respect_no_reinit=cfg.init_hook == "zero-biases-marked")
+        torch.manual_seed(cfg.seed)
+        model = TensorParallelMambaLM(cfg.model, layout, cfg.sequence_parallel, device=device)
+        load_full_state_dict(model, full.state_dict(), layout.tp_rank)
+        del full
+    elif cfg.init == "local":
+        torch.manual_seed(cfg.seed * 1009 + layout.tp_rank)
+        model = TensorParallelMambaLM(cfg.model, layout, cfg.sequence_parallel, device=device)
+        if cfg.init_hook != "none":
+            reset_biases(model, respect_no_reinit=cfg.init_hook == "zero-biases-marked")
+    else:
+        raise ValueError(f"init must be 'full' or 'local'; got {cfg.init!r}")
+    broadcast_parameters(model, layout)   # replicated copies equal across TP, replicas equal across DP
+    if cfg.param_dtype != "fp32":
+        # The pitfall: every parameter (the fp32-kept A_log, D, dt_bias too) stored and updated in 16 bits.
+        for p in model.parameters():
+            p.data = p.data.to(PARAM_DTYPES[cfg.param_dtype])
+    return model
+
+
+def _optimizer(model, cfg: TrainConfig) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        (no_decay if p.dim() < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warmup, then cosine decay to 10 %."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    t = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(t, 1.0))))
+
+
+def _grad_norm(model, layout, specs) -> torch.Tensor:
+    """Global gradient norm: sharded parts summed over the TP group, replicated parts counted once."""
+    sharded, replicated = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (replicated if specs[name] == REPLICATED else sharded).append(p.grad.float().square().sum())
+    zero = torch.zeros((), device=next(model.parameters()).device)
+    sq_sharded = torch.stack(sharded).sum() if sharded else zero
+    if layout.tp > 1:
+        dist.all_reduce(sq_sharded, group=layout.tp_group)
+    sq = sq_sharded + (torch.stack(replicated).sum() if replicated else zero)
+    return sq.sqrt()
+
+
+def _describe(layout) -> str:
+    return f"rank {layout.rank} (tp_rank {layout.tp_rank}, dp_rank {layout.dp_rank})"
+
+
+# --------------------------------------------------------------------------------------------- the loop
+def train(cfg: TrainConfig) -> list[dict]:
+    """Run the training; returns the per-step metrics (every rank computes them; rank 0 writes them)."""
+    layout = init_distributed(cfg.tp, cfg.dp or None, backend=cfg.backend, timeout_s=cfg.timeout_s)
+    switch, model_config = _determinism(cfg)
+    try:
+        with switch:
+            return _train(dataclasses.replace(cfg, model=model_config), layout)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, layout) -> list[dict]:
+    from tqdm.auto import tqdm
+
+    device = layout.device()
+    if cfg.param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}; got {cfg.param_dtype!r}")
+    if cfg.init_hook not in INIT_HOOKS:
+        raise ValueError(f"init_hook must be one of {INIT_HOOKS}; got {cfg.init_hook!r}")
+    use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_amp else contextlib.nullcontext)
+
+    model = _build_model(cfg, layout, device)
+    optimizer = _optimizer(model, cfg)
+    specs = shard_specs(model)
+    replicated = model.replicated_parameters()
+    start = 0
+    if cfg.resume:
+        folder = latest_step_dir(cfg.checkpoint_dir or "") if cfg.resume == "latest" else Path(cfg.resume)
+        if folder is None or not (folder / "meta.json").exists():
+            raise FileNotFoundError(f"resume = {cfg.resume!r}: no checkpoint there (checkpoint_dir = "
+                                    f"{cfg.checkpoint_dir!r})")
+        start = load_checkpoint(folder, model, optimizer, layout)
+
+    out = Path(cfg.out_dir) if cfg.out_dir else None
+    if out is not None and layout.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": layout.world_size,
+                                                     "dp": layout.dp,
+                                                     "num_parameters": cfg.model.num_parameters()}, indent=2))
+    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w") if out is not None and layout.is_main else None
+    watchdog = Watchdog(cfg.timeout_s, lambda: _describe(layout)).start()
+    tokens_per_step = cfg.batch_size * cfg.seq_len * layout.dp
+    metrics, step = [], start
+    bar = tqdm(total=cfg.steps, initial=start, disable=not (layout.is_main and cfg.progress), desc="train",
+               unit="step", dynamic_ncols=True)
+    try:
+        for step in range(start, cfg.steps):
+            if step == cfg.fail_at_step and layout.rank == cfg.fail_rank:
+                print(f"mambalab.train: {_describe(layout)}: simulated crash at step {step} (fail_at_step)",
+                      file=sys.stderr, flush=True)
+                os._exit(17)
+            t0 = time.perf_counter()
+            ids, targets = make_batch(cfg.task, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.seed, step,
+                                      replica=layout.dp_rank, replicas=layout.dp)
+            ids, targets = ids.to(device), targets.to(device)
+            for group in optimizer.param_groups:
+                group["lr"] = _lr(cfg, step)
+            with autocast():
+                loss = model.loss(ids, targets)
+            loss.backward()
+            if cfg.sequence_parallel:
+                allreduce_replicated_grads(replicated, layout)
+            allreduce_data_parallel_grads(model, layout)
+            grad_norm = _grad_norm(model, layout, specs)
+            if cfg.grad_clip > 0 and torch.isfinite(grad_norm):
+                scale = (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale.to(p.grad.dtype))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss_all = loss.detach().float().reshape(1)
+            if layout.dp > 1:
+                dist.all_reduce(loss_all, group=layout.dp_group)
+                loss_all /= layout.dp
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            row = {"step": step, "loss": loss_all.item(), "grad_norm": grad_norm.item(), "lr": _lr(cfg, step),
+                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
+            if device.type == "cuda":
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            metrics.append(row)
+            if log is not None:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{row['loss']:.4f}")
+            watchdog.beat(step)
+            done = step + 1
+            if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+                                       or done == cfg.steps):
+                save_checkpoint(cfg.checkpoint_dir, done, model, optimizer, layout,
+                                {"config": cfg.to_dict()})
+                watchdog.beat(step)   # a large model's save may take a while: it is progress too
+    except Exception as e:   # a collective that lost its peer, or a timeout: say so plainly, never hang
+        if layout.world_size == 1:
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"mambalab.train: {_describe(layout)} stopped at step {step}: {type(e).__name__}: {first}\n"
+              f"mambalab.train: another rank most likely failed or was killed; exiting.", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+    finally:
+        watchdog.stop()
+        bar.close()
+        if log is not None:
+            log.close()
+    mine = {"peak_mem_gib": metrics[-1].get("peak_mem_gib") if metrics else None,
+            "param_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
+            "fingerprint": _fingerprint(model)}
+    ranks = [mine]
+    if out is not None and layout.world_size > 1:
+        ranks = [None] * layout.world_size
+        dist.all_gather_object(ranks, mine)
+    if out is not None and layout.is_main:
+        (out / "summary.json").write_text(json.dumps({
+            "final_loss": metrics[-1]["loss"] if metrics else None, "steps": cfg.steps, "tp": layout.tp,
+            "dp": layout.dp, "num_parameters": cfg.model.num_parameters(),
+            "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in ranks],
+            "param_gib_per_rank": [r["param_gib"] for r in ranks],
+            "fingerprint_per_rank": [r["fingerprint"] for r in ranks]}, indent=2))
+    return metrics
