@@ -58,25 +58,29 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
     * BLOCK_N  = next_pow2(n), >= 16            the whole state, so a chunk's state is one tile
     * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
-    * 4 warps a program.
+    * 8 warps a program when a head's state tile is large (BLOCK_P · BLOCK_N >= 64 · 64), else 4. At
+      p = 64, n = 128 the chunk-scan and chunk-states kernels need 255 registers a thread: with 4 warps they
+      spill (656 B in the bf16 chunk-scan forward, 1 KiB in its backward), with 8 they do not, and the SM
+      holds the same 8 warps either way (benchmarks/ptxas_ssd.py, sm_90).
 
     The backward kernels reuse these, and take the whole head and the whole state per program
     (:func:`backward_block_p` = next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside
     one program; only sums over programs are reductions (atomic or deterministic).
 
-    Untuned: a first choice that keeps every tile a power of two and every dot legal. Tuning it on a GPU
-    means changing this function (and recording why here), never adding an autotuner.
+    Chosen from compile reports (registers, spills, shared memory for sm_90), not yet from a timed sweep:
+    tuning it on a GPU means changing this function (and recording why here), never adding an autotuner.
     """
     block_n = max(MIN_DOT, triton.next_power_of_2(n))
+    block_p = max(MIN_DOT, min(64, triton.next_power_of_2(p)))
     return TileConfig(
         chunk_size=chunk_size,
         block_t=min(64, chunk_size),
         block_h=min(16, triton.next_power_of_2(h)),
-        block_p=max(MIN_DOT, min(64, triton.next_power_of_2(p))),
+        block_p=block_p,
         block_n=block_n,
         block_k=min(64, block_n),
         block_pn=min(1024, triton.next_power_of_2(p * n)),
-        num_warps=4,
+        num_warps=8 if block_p * block_n >= 64 * 64 else 4,
         bwd_block_t=min(32, chunk_size),
     )
 
