@@ -49,18 +49,17 @@ def test_training_and_decode_time_figures():
 
 
 def test_discretization_explorer_redraws_when_a_slider_moves(monkeypatch):
-    shown = []
+    from mambalab.viz.notebook import LiveFigure
 
-    class Handle:
-        def update(self, bundle, raw):
-            shown.append(bundle)
+    shown = []   # every figure bundle the explorer's LiveFigure was given, in order
+    original = LiveFigure._set
 
-    def fake_display(obj, raw=False, display_id=False):
-        if display_id:
-            shown.append(obj)
-            return Handle()
+    def recording(self, bundle):
+        shown.append(bundle)
+        original(self, bundle)
 
-    monkeypatch.setattr("IPython.display.display", fake_display)
+    monkeypatch.setattr(LiveFigure, "_set", recording)
+    monkeypatch.setattr("IPython.display.display", lambda *args, **kwargs: None)
     controls = mp.discretization_explorer([0.5, 0.25, 0.125], dt=0.25, t_end=2.0)
     controls["lam"].value = 1.0
     controls["dt"].value = 0.5

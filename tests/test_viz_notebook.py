@@ -64,3 +64,19 @@ def test_show_source_rejects_objects_without_source():
 def test_setup_does_nothing_outside_a_kernel(capsys):
     assert notebook.setup() is None
     assert capsys.readouterr().out == ""
+
+
+def test_live_figure_replaces_its_output_and_displays_a_static_stand_in(monkeypatch):
+    import plotly.graph_objects as go
+
+    shown = []
+    monkeypatch.setattr("IPython.display.display", lambda obj, raw=False: shown.append(obj))
+    live = notebook.LiveFigure(go.Figure(go.Scatter(y=[1, 2]), layout_title_text="first"))
+    live.display()
+    bundle = shown[0]
+    assert bundle[notebook.WIDGET_VIEW_MIMETYPE]["model_id"] == live.output.model_id
+    assert "first" in bundle["text/html"] and "Plotly.newPlot" in bundle["text/html"]
+    live.update(go.Figure(go.Scatter(y=[3, 4]), layout_title_text="second"))
+    (output,) = live.output.outputs
+    assert output["data"][notebook.PLOTLY_MIMETYPE]["layout"]["title"]["text"] == "second"
+    assert "first" in bundle["text/html"]  # the stand-in stays the first figure

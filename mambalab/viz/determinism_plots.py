@@ -15,7 +15,6 @@ The computations they draw live in :mod:`mambalab.determinism.experiments`.
 from __future__ import annotations
 
 import html
-import json
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -111,18 +110,14 @@ def sum_order_figure(values: Sequence[float] | torch.Tensor, orders: Mapping[str
     return fig
 
 
-def _bundle(fig: go.Figure) -> dict:
-    """The two forms a figure displays in (see mambalab.viz.notebook.setup): plotly JSON and HTML."""
-    return {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
-            "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
-
-
 def sum_order_explorer(values: Sequence[float] | torch.Tensor, seed: int = 1, dtype: str = "fp32"):
     """Controls (the seed of a random order, the dtype) over :func:`sum_order_figure` (given order vs the
     seeded one) and :func:`bits_html` of the two sums. Starts at ``seed`` and ``dtype`` so a headless run
     shows a reordering; displays in place; returns the controls as a dict."""
     import ipywidgets as widgets
-    from IPython.display import HTML, display
+    from IPython.display import display
+
+    from mambalab.viz.notebook import LiveFigure
 
     v = torch.as_tensor(values, dtype=torch.float64).flatten()
     style = dict(description_width="initial")
@@ -137,21 +132,22 @@ def sum_order_explorer(values: Sequence[float] | torch.Tensor, seed: int = 1, dt
             return list(range(v.numel()))
         return torch.randperm(v.numel(), generator=torch.Generator().manual_seed(s)).tolist()
 
-    def bundles():
+    def figure_and_bits():
         s, dt = controls["seed"].value, DTYPES[controls["dtype"].value]
         orders = {"as given": list(range(v.numel())), f"shuffled (seed {s})": order_of(s)}
         a, b = (float(ordered_sum(v, o, dt)) for o in orders.values())
-        return _bundle(sum_order_figure(v, orders, dt)), bits_html(a, b, dt, tuple(orders))
+        return sum_order_figure(v, orders, dt), bits_html(a, b, dt, tuple(orders))
 
-    fig, bits = bundles()
+    fig, bits = figure_and_bits()
+    live, bits_view = LiveFigure(fig), widgets.HTML(bits)   # both redraw from widget callbacks in JupyterLab
     display(widgets.HBox(list(controls.values())))
-    fig_handle = display(fig, raw=True, display_id=True)
-    bits_handle = display(HTML(bits), display_id=True)
+    live.display()
+    display(bits_view)
 
     def update(_change):
-        f, b = bundles()
-        fig_handle.update(f, raw=True)
-        bits_handle.update(HTML(b))
+        f, b = figure_and_bits()
+        live.update(f)
+        bits_view.value = b
 
     for w in controls.values():
         w.observe(update, names="value")

@@ -7,7 +7,6 @@ Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled a
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -62,13 +61,6 @@ def discretization_figure(dt: float, dts: Sequence[float], errors: Mapping[str, 
     return fig
 
 
-def _bundle(fig: go.Figure) -> dict:
-    # The two forms mambalab.viz.notebook.setup() has figures display in: plotly's JSON (JupyterLab) and
-    # HTML calling the embedded plotly.js (what nbconvert's HTML export keeps).
-    return {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
-            "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
-
-
 def discretization_explorer(dts: Sequence[float], dt: float = 0.3, lam: float = 0.5, *, a: float = -1.0,
                             b: float = 1.0, omega: float = 2.0, t_end: float = 10.0):
     """Display a Δ slider and a λ slider and, below, :func:`discretization_figure` for them.
@@ -81,6 +73,8 @@ def discretization_explorer(dts: Sequence[float], dt: float = 0.3, lam: float = 
 
     import ipywidgets as widgets
     from IPython.display import display
+
+    from mambalab.viz.notebook import LiveFigure
 
     style = dict(description_width="initial")
     controls = {
@@ -100,15 +94,16 @@ def discretization_explorer(dts: Sequence[float], dt: float = 0.3, lam: float = 
                                                               methods=["exp_trapezoidal"])
         return {**first_order, **trapezoid[lam_value]}
 
-    def bundle():
+    def figure():
         values = {k: w.value for k, w in controls.items()}
-        return _bundle(discretization_figure(values["dt"], dts, errors_for(values["lam"]), a=a, b=b, omega=omega,
-                                             t_end=t_end, lam=values["lam"]))
+        return discretization_figure(values["dt"], dts, errors_for(values["lam"]), a=a, b=b, omega=omega,
+                                     t_end=t_end, lam=values["lam"])
 
+    live = LiveFigure(figure())
     display(widgets.HBox(list(controls.values())))
-    handle = display(bundle(), raw=True, display_id=True)
+    live.display()
     for w in controls.values():
-        w.observe(lambda _change: handle.update(bundle(), raw=True), names="value")
+        w.observe(lambda _change: live.update(figure()), names="value")
     return controls
 
 

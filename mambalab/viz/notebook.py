@@ -140,3 +140,48 @@ def check(name: str, got, expected, atol: float = 1e-5, rtol: float = 1e-5) -> N
             f"worst at {worst}: got {g[worst].item():.6g}, expected {e[worst].item():.6g}")
     print(line)
     raise AssertionError(line)
+
+
+PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
+WIDGET_VIEW_MIMETYPE = "application/vnd.jupyter.widget-view+json"
+
+
+def figure_bundle(fig) -> dict:
+    """The two forms :func:`setup` has a plotly figure display in: plotly's JSON (drawn by JupyterLab's plotly
+    renderer, even in an untrusted notebook) and HTML calling the embedded plotly.js (what nbconvert keeps)."""
+    import json
+
+    return {PLOTLY_MIMETYPE: {**json.loads(fig.to_json()), "config": {}},
+            "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
+
+
+class LiveFigure:
+    """A figure that widget callbacks redraw, in JupyterLab and in exported pages alike.
+
+    The figure lives in an ``ipywidgets.Output`` whose contents the kernel replaces (:meth:`update`), so a
+    callback redraws it wherever a widget manager runs. (An IPython display handle updated from a widget
+    callback is not: JupyterLab routes that message to no cell.) :meth:`display` shows the Output widget with
+    the first figure's HTML as its stand-in, which pages without a widget manager (nbconvert's HTML, see
+    :func:`mambalab.workbook.render_html`) show instead.
+    """
+
+    def __init__(self, fig):
+        import ipywidgets
+
+        self.output = ipywidgets.Output()
+        self._first = figure_bundle(fig)
+        self._set(self._first)
+
+    def _set(self, bundle: dict) -> None:
+        self.output.outputs = ({"output_type": "display_data", "data": bundle, "metadata": {}},)
+
+    def update(self, fig) -> None:
+        """Replace the figure by ``fig``."""
+        self._set(figure_bundle(fig))
+
+    def display(self) -> None:
+        from IPython.display import display
+
+        view = {"version_major": 2, "version_minor": 0, "model_id": self.output.model_id}
+        display({WIDGET_VIEW_MIMETYPE: view, "text/html": self._first["text/html"],
+                 "text/plain": "(figure: run the notebook to redraw it)"}, raw=True)

@@ -6,7 +6,6 @@ Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled a
 """
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 
@@ -50,27 +49,21 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -
 def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0):
     """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` for the slider's Δ.
 
-    Starts at ``delta`` so that a headless run shows a meaningful figure. Moving the slider replaces the
-    figure in place (an IPython display handle), so it needs neither anywidget (plotly's FigureWidget) nor
-    an Output widget. Displays; returns the slider.
+    Starts at ``delta`` so that a headless run shows a meaningful figure. Moving the slider redraws the
+    figure (a :class:`mambalab.viz.notebook.LiveFigure`; no anywidget needed). Displays; returns the slider.
     """
     import ipywidgets as widgets
     from IPython.display import display
 
+    from mambalab.viz.notebook import LiveFigure
+
     slider = widgets.FloatLogSlider(value=delta, base=10, min=math.log10(delta_min), max=math.log10(delta_max),
                                     step=0.05, description="Δ", continuous_update=False, readout_format=".3g",
                                     layout=widgets.Layout(width="60%"))
-
-    def bundle(dt):
-        # The two forms mambalab.viz.notebook.setup() has figures display in: plotly's JSON (drawn by
-        # JupyterLab) and HTML that calls the plotly.js setup() embedded (kept by nbconvert's HTML export).
-        fig = memory_kernel_figure([dt], A, length)
-        return {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
-                "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
-
+    figure = LiveFigure(memory_kernel_figure([slider.value], A, length))
     display(slider)
-    handle = display(bundle(slider.value), raw=True, display_id=True)
-    slider.observe(lambda change: handle.update(bundle(change["new"]), raw=True), names="value")
+    figure.display()
+    slider.observe(lambda change: figure.update(memory_kernel_figure([change["new"]], A, length)), names="value")
     return slider
 
 

@@ -7,7 +7,6 @@ figure draws, from :mod:`mambalab.ref.ssd`.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
@@ -124,12 +123,13 @@ def semiseparable_explorer(length: int = 64, chunk_size: int = 16, decay: float 
                            seed: int = 0, max_length: int = 256):
     """Display controls (sequence length, chunk size, decay) and, below, :func:`semiseparable_figure`.
 
-    Starts at the given values so a headless run shows a meaningful figure. Changing a control replaces
-    the figure in place (an IPython display handle), neither anywidget nor an Output widget. Displays;
-    returns the controls as a dict.
+    Starts at the given values so a headless run shows a meaningful figure. Changing a control redraws
+    the figure (a :class:`mambalab.viz.notebook.LiveFigure`). Displays; returns the controls as a dict.
     """
     import ipywidgets as widgets
     from IPython.display import display
+
+    from mambalab.viz.notebook import LiveFigure
 
     style = dict(description_width="initial")
     controls = {
@@ -144,20 +144,17 @@ def semiseparable_explorer(length: int = 64, chunk_size: int = 16, decay: float 
         controls["chunk_size"].options = sorted({*controls["chunk_size"].options, chunk_size})
         controls["chunk_size"].value = chunk_size
 
-    def bundle():
-        # The two forms mambalab.viz.notebook.setup() has figures display in: plotly's JSON (JupyterLab)
-        # and HTML calling the embedded plotly.js (what nbconvert's HTML export keeps).
+    def figure():
         values = {k: w.value for k, w in controls.items()}
         M = semiseparable_matrix(values["length"], values["decay"], n=n, seed=seed)
-        fig = semiseparable_figure(M, values["chunk_size"], n=n,
-                                   note=f"A = −{values['decay']:.3g}, Δ ~ U[0.5, 1.5], n = {n}")
-        return {"application/vnd.plotly.v1+json": {**json.loads(fig.to_json()), "config": {}},
-                "text/html": fig.to_html(include_plotlyjs=False, full_html=False)}
+        return semiseparable_figure(M, values["chunk_size"], n=n,
+                                    note=f"A = −{values['decay']:.3g}, Δ ~ U[0.5, 1.5], n = {n}")
 
+    live = LiveFigure(figure())
     display(widgets.HBox(list(controls.values())))
-    handle = display(bundle(), raw=True, display_id=True)
+    live.display()
     for w in controls.values():
-        w.observe(lambda _change: handle.update(bundle(), raw=True), names="value")
+        w.observe(lambda _change: live.update(figure()), names="value")
     return controls
 
 
