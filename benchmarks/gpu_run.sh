@@ -40,13 +40,13 @@ for step in "$@"; do
                  tests/test_ssd_ref.py tests/test_mamba2.py >"$OUT/ssd-tests.log" 2>&1; tail -5 "$OUT/ssd-tests.log" ;;
     ssd-bench) # mamba-ssm's deterministic mode first: one pinned configuration each, so it compiles fast; its
                # default mode autotunes (many configurations to compile) and gets what time is left
-               timeout 110 python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --out "$OUT/ssd_mamba_deterministic.json" \
+               timeout "${SSD_DET_T:-110}" python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --out "$OUT/ssd_mamba_deterministic.json" \
                  >"$OUT/ssd-bench.log" 2>&1
-               timeout 150 python3 benchmarks/bench_ssd.py --reps 5 --stages --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
+               timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
                tail -3 "$OUT/ssd-bench.log" ;;
     mamba3-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba3_module" tests/test_mamba3_kernels.py tests/test_mamba3_ref.py \
                     tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
-    mamba3-bench) timeout 120 python3 benchmarks/bench_mamba3.py --out "$OUT" >"$OUT/mamba3-bench.log" 2>&1
+    mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" >"$OUT/mamba3-bench.log" 2>&1
                   tail -5 "$OUT/mamba3-bench.log" ;;
     det-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_determinism.py tests/test_determinism_kernels.py \
                  >"$OUT/det-tests.log" 2>&1; tail -5 "$OUT/det-tests.log"
@@ -55,9 +55,9 @@ for step in "$@"; do
                  tests/test_ssd_kernels.py tests/test_ssd_backward.py tests/test_mamba3_kernels.py tests/test_mamba3_module.py \
                  tests/test_determinism.py tests/test_determinism_kernels.py tests/test_determinism_plots.py tests/test_train.py \
                  >"$OUT/gpu-tests.log" 2>&1; tail -8 "$OUT/gpu-tests.log" ;;
-    tp-bench) timeout 90 torchrun --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
+    tp-bench) timeout "${TP_T:-90}" torchrun --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
-              timeout 90 torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
+              timeout "${TP_T:-90}" torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >>"$OUT/tp-bench.log" 2>&1; tail -4 "$OUT/tp-bench.log" ;;
     nb-*) only=${step#nb-}; timeout 500 python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
