@@ -55,9 +55,9 @@ for step in "$@"; do
                  tests/test_ssd_kernels.py tests/test_ssd_backward.py tests/test_mamba3_kernels.py tests/test_mamba3_module.py \
                  tests/test_determinism.py tests/test_determinism_kernels.py tests/test_determinism_plots.py tests/test_train.py \
                  >"$OUT/gpu-tests.log" 2>&1; tail -8 "$OUT/gpu-tests.log" ;;
-    tp-bench) timeout "${TP_T:-90}" torchrun --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
+    tp-bench) timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
-              timeout "${TP_T:-90}" torchrun --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
+              timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >>"$OUT/tp-bench.log" 2>&1; tail -4 "$OUT/tp-bench.log" ;;
     nb-*) only=${step#nb-}; timeout 500 python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
