@@ -145,6 +145,13 @@ def test_command_line_flags_reach_the_config():
     assert cfg.model.scan == ("kernel" if torch.cuda.is_available() else "reference")
 
 
+def test_bf16_autocast_over_fp32_master_parameters_trains(tmp_path):
+    # The GPU path's AMP (amp="auto" there), forced on the CPU: it once failed on the H200 at its first step.
+    rows = train(TrainConfig(model=LMConfig(**TINY), task="mqar", batch_size=4, seq_len=16, steps=3, warmup=1,
+                             amp="bf16", progress=False, out_dir=str(tmp_path)))
+    assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+
+
 @requires_gpu
 def test_gpu_training_step_with_kernels_and_bf16_autocast(tmp_path):
     model = LMConfig(**{**TINY, "scan": "kernel", "d_model": 64, "headdim": 16, "chunk_size": 64})

@@ -226,7 +226,8 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
     if cfg.init_hook not in INIT_HOOKS:
         raise ValueError(f"init_hook must be one of {INIT_HOOKS}; got {cfg.init_hook!r}")
     use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if use_amp else contextlib.nullcontext)
+    def autocast():  # a fresh context each step (torch.autocast instances are not re-entrant factories)
+        return torch.autocast(device.type, dtype=torch.bfloat16) if use_amp else contextlib.nullcontext()
 
     model = _build_model(cfg, layout, device)
     optimizer = _optimizer(model, cfg)
