@@ -72,9 +72,7 @@ def discretization_explorer(dts: Sequence[float], dt: float = 0.3, lam: float = 
     import math
 
     import ipywidgets as widgets
-    from IPython.display import display
-
-    from mambalab.viz.notebook import LiveFigure
+    from mambalab.viz.notebook import explore
 
     style = dict(description_width="initial")
     controls = {
@@ -99,12 +97,7 @@ def discretization_explorer(dts: Sequence[float], dt: float = 0.3, lam: float = 
         return discretization_figure(values["dt"], dts, errors_for(values["lam"]), a=a, b=b, omega=omega,
                                      t_end=t_end, lam=values["lam"])
 
-    live = LiveFigure(figure())
-    display(widgets.HBox(list(controls.values())))
-    live.display()
-    for w in controls.values():
-        w.observe(lambda _change: live.update(figure()), names="value")
-    return controls
+    return explore(controls, figure)
 
 
 def training_figure(histories: Mapping[str, Mapping[str, Sequence[float]]], *, title: str | None = None,

@@ -185,3 +185,17 @@ class LiveFigure:
         view = {"version_major": 2, "version_minor": 0, "model_id": self.output.model_id}
         display({WIDGET_VIEW_MIMETYPE: view, "text/html": self._first["text/html"],
                  "text/plain": "(figure: run the notebook to redraw it)"}, raw=True)
+
+
+def explore(controls: dict, figure) -> dict:
+    """Display ``controls`` (name -> ipywidget) in a row and, below, ``figure()`` as a :class:`LiveFigure` that
+    is redrawn whenever a control's value changes (``figure`` reads the controls itself). Returns ``controls``."""
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    live = LiveFigure(figure())
+    display(widgets.HBox(list(controls.values())))
+    live.display()
+    for w in controls.values():
+        w.observe(lambda _change: live.update(figure()), names="value")
+    return controls

@@ -53,17 +53,13 @@ def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float 
     figure (a :class:`mambalab.viz.notebook.LiveFigure`; no anywidget needed). Displays; returns the slider.
     """
     import ipywidgets as widgets
-    from IPython.display import display
 
-    from mambalab.viz.notebook import LiveFigure
+    from mambalab.viz.notebook import explore
 
     slider = widgets.FloatLogSlider(value=delta, base=10, min=math.log10(delta_min), max=math.log10(delta_max),
                                     step=0.05, description="Δ", continuous_update=False, readout_format=".3g",
                                     layout=widgets.Layout(width="60%"))
-    figure = LiveFigure(memory_kernel_figure([slider.value], A, length))
-    display(slider)
-    figure.display()
-    slider.observe(lambda change: figure.update(memory_kernel_figure([change["new"]], A, length)), names="value")
+    explore({"delta": slider}, lambda: memory_kernel_figure([slider.value], A, length))
     return slider
 
 

@@ -127,9 +127,7 @@ def semiseparable_explorer(length: int = 64, chunk_size: int = 16, decay: float 
     the figure (a :class:`mambalab.viz.notebook.LiveFigure`). Displays; returns the controls as a dict.
     """
     import ipywidgets as widgets
-    from IPython.display import display
-
-    from mambalab.viz.notebook import LiveFigure
+    from mambalab.viz.notebook import explore
 
     style = dict(description_width="initial")
     controls = {
@@ -150,12 +148,7 @@ def semiseparable_explorer(length: int = 64, chunk_size: int = 16, decay: float 
         return semiseparable_figure(M, values["chunk_size"], n=n,
                                     note=f"A = −{values['decay']:.3g}, Δ ~ U[0.5, 1.5], n = {n}")
 
-    live = LiveFigure(figure())
-    display(widgets.HBox(list(controls.values())))
-    live.display()
-    for w in controls.values():
-        w.observe(lambda _change: live.update(figure()), names="value")
-    return controls
+    return explore(controls, figure)
 
 
 def cost_figure(lengths: Sequence[int], times_ms: Mapping[str, Sequence[float | None]],
