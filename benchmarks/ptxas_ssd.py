@@ -1,5 +1,5 @@
-"""Compile time, registers and spills of every kernel launch of mambalab's SSD forward and backward, for a GPU
-architecture, on a machine without a GPU.
+"""Compile time, registers and spills of every kernel launch of mambalab's SSD (or Mamba-3: ``--op mamba3``)
+forward and backward, for a GPU architecture, on a machine without a GPU.
 
 Step 1 (a child process, Triton's interpreter on): runs ``ssd_chunk_scan`` forward and backward at the
 benchmark's head shape (h, p, n, chunk) on a short CPU sequence with every launch *recorded instead of run*:
@@ -8,7 +8,7 @@ shape rule alone, so a short sequence compiles the same kernels as a long one.
 Step 2 (this process, interpreter off): compiles each recorded launch with Triton's compiler for the target
 and runs the ptxas shipped with Triton in verbose mode.
 
-    python benchmarks/ptxas_ssd.py [--arch 90] [--dtype bf16] [--shape H P N CHUNK]
+    python benchmarks/ptxas_ssd.py [--arch 90] [--dtype bf16] [--shape H P N CHUNK] [--op mamba3 --rank R]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import sys
 import time
 
 
-def record(dtype: str, h: int, p: int, n: int, chunk: int, reduction: str) -> list[dict]:
+def record(dtype: str, h: int, p: int, n: int, chunk: int, reduction: str, op: str = "ssd", rank: int = 1) -> list[dict]:
     """Run in a child: the launches of one forward+backward, recorded and not executed."""
     import mambalab  # noqa: F401  (switches the interpreter on)
     import torch
@@ -57,14 +57,26 @@ def record(dtype: str, h: int, p: int, n: int, chunk: int, reduction: str) -> li
     # Feed the kernels what a GPU would (bf16/fp16 stay as they are; on the CPU they are widened to fp32).
     mambalab.device.compute_dtype = lambda dtype, device: dtype
     mambalab.device.dot_precision = lambda dtype, device: "tf32"
-    from mambalab.ops import ssd_chunk_scan
-
     dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     b, l, g = 1, 2 * chunk, 1
-    x = torch.randn(b, l, h, p).to(dt).requires_grad_()
-    out = ssd_chunk_scan(x, torch.rand(b, l, h).to(dt), -torch.rand(h), torch.randn(b, l, g, n).to(dt),
-                         torch.randn(b, l, g, n).to(dt), chunk, D=torch.randn(h), dt_bias=torch.randn(h),
-                         dt_softplus=True, reduction=reduction)
+    if op == "mamba3":
+        from mambalab.ops import mamba3_chunk_scan
+
+        r, a = rank, n // 4
+        act = lambda *shape: torch.randn(*shape).to(dt).requires_grad_()
+        par = lambda *shape: torch.randn(*shape).requires_grad_()
+        step = torch.rand(b, l, h) + 0.1
+        mimo = {k: par(h, r, p) for k in ("mimo_v", "mimo_z", "mimo_o")} if r > 1 else {}
+        out = mamba3_chunk_scan(act(b, l, r, g, n), act(b, l, r, g, n), act(b, l, h, p), -step, step,
+                                torch.rand(b, l, h), par(h, r, n), par(h, r, n), par(b, l, h, a), par(h),
+                                act(b, l, h, p), **mimo, chunk_size=chunk, reduction=reduction)
+    else:
+        from mambalab.ops import ssd_chunk_scan
+
+        x = torch.randn(b, l, h, p).to(dt).requires_grad_()
+        out = ssd_chunk_scan(x, torch.rand(b, l, h).to(dt), -torch.rand(h), torch.randn(b, l, g, n).to(dt),
+                             torch.randn(b, l, g, n).to(dt), chunk, D=torch.randn(h), dt_bias=torch.randn(h),
+                             dt_softplus=True, reduction=reduction)
     out.backward(torch.ones_like(out))
     return launches
 
@@ -75,13 +87,16 @@ def main():
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--shape", type=int, nargs=4, default=[32, 64, 128, 256], metavar=("H", "P", "N", "CHUNK"))
     p.add_argument("--reduction", default="deterministic", choices=["deterministic", "atomic"])
+    p.add_argument("--op", default="ssd", choices=["ssd", "mamba3"])
+    p.add_argument("--rank", type=int, default=1, help="Mamba-3's MIMO rank r (--op mamba3)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # the child's job
     args = p.parse_args()
     if args.record:
-        print(json.dumps(record(args.dtype, *args.shape, args.reduction)))
+        print(json.dumps(record(args.dtype, *args.shape, args.reduction, args.op, args.rank)))
         return
     child = subprocess.run([sys.executable, __file__, "--record", "--dtype", args.dtype, "--reduction",
-                            args.reduction, "--shape", *map(str, args.shape)], capture_output=True, text=True)
+                            args.reduction, "--op", args.op, "--rank", str(args.rank), "--shape",
+                            *map(str, args.shape)], capture_output=True, text=True)
     if child.returncode:
         sys.exit(child.stderr)
     launches = json.loads(child.stdout.strip().splitlines()[-1])
@@ -94,7 +109,8 @@ def main():
     from ptxas_report import ptxas_usage
 
     h, hp, n, chunk = args.shape
-    print(f"SSD {args.reduction}, h={h} p={hp} n={n} chunk={chunk}, {args.dtype}, sm_{args.arch}")
+    what = "SSD" if args.op == "ssd" else f"Mamba-3 r={args.rank}"
+    print(f"{what} {args.reduction}, h={h} p={hp} n={n} chunk={chunk}, {args.dtype}, sm_{args.arch}")
     seen = set()
     for entry in launches:
         key = json.dumps(entry, sort_keys=True)
