@@ -20,7 +20,9 @@ The sums over positions for dW^O and dW^Z are per-program partials folded by
 :func:`mambalab.kernels.reduce.sum_partials`; everything else stays inside a program.
 
 Tile rule (shape only): programs are (block of BLOCK_T = 32 positions of the flattened b·l axis, head), each
-with the whole head dimension (BLOCK_P = next_pow2(p)).
+with the whole head dimension (BLOCK_P = next_pow2(p)); 8 warps from r = 4 on (the loop over ranks is
+unrolled: at r = 4, p = 64 with 4 warps the forward spilled 76 B and the backward 736 B on sm_90, with 8 none;
+benchmarks/ptxas_ssd.py --op mamba3 --rank 4), else 4.
 
 Shapes: y (T, r, h, p) (the rank-expanded SSD output, T = b·l); v, z, out (T, h, p); M (T, h, r, p) or
 (T, h, 1) fp32; W^Z, W^O (h, r, p) fp32.
@@ -34,6 +36,11 @@ import triton.language as tl
 from mambalab.kernels.reduce import sum_partials
 
 BLOCK_T = 32
+
+
+def num_warps(r: int) -> int:
+    """Warps a program, from the rank alone (see the module docstring)."""
+    return 8 if r >= 4 else 4
 
 
 @triton.jit
@@ -161,7 +168,7 @@ def rank_outputs_fwd(y, v, z, M, wz, wo):
     out = torch.empty_like(v)
     rank_outputs_fwd_kernel[grid](
         y, v, z if z is not None else v, M, wz if wz is not None else M, wo if wo is not None else M, out, T, h, p,
-        R=r, MIMO=mimo, HAS_Z=z is not None, BLOCK_T=BLOCK_T, BLOCK_P=block_p)
+        R=r, MIMO=mimo, HAS_Z=z is not None, BLOCK_T=BLOCK_T, BLOCK_P=block_p, num_warps=num_warps(r))
     return out
 
 
@@ -180,7 +187,7 @@ def rank_outputs_bwd(dout, y, v, z, M, wz, wo):
     rank_outputs_bwd_kernel[grid](
         y, v, z if z is not None else v, M, wz if wz is not None else M, wo if wo is not None else M, dout,
         dy, dv, dz if dz is not None else dv, dM, dwz if dwz is not None else dM, dwo if dwo is not None else dM,
-        T, h, p, R=r, MIMO=mimo, HAS_Z=z is not None, BLOCK_T=BLOCK_T, BLOCK_P=block_p)
+        T, h, p, R=r, MIMO=mimo, HAS_Z=z is not None, BLOCK_T=BLOCK_T, BLOCK_P=block_p, num_warps=num_warps(r))
     dwo = sum_partials(dwo, dim=0) if dwo is not None else None
     dwz = sum_partials(dwz, dim=0) if dwz is not None else None
     return dy, dv, dz, dM, dwz, dwo

@@ -18,7 +18,8 @@ for dbias is a reduction across programs: per-program partials folded by
 The output is written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
 
 Tile rule (shape only): BLOCK_T = 32 positions of the flattened (b·l) axis per program, BLOCK_N2 =
-next_pow2(n / 2) pairs; forward programs are (position block, head), backward programs (position block, group).
+next_pow2(n / 2) pairs; forward programs are (position block, head), backward programs (position block, group),
+the backward with 8 warps from r = 4 on (4 spilled 120 B at r = 4, n = 128 on sm_90), else 4.
 
 Shapes: x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> out (b, l, r, h, n).
 """
@@ -146,5 +147,5 @@ def rotary_bwd(dout, x, bias, theta):
     dtheta = torch.empty(b, l, h, a, **f32)
     rotary_bwd_kernel[(blocks, g)](
         x, bias, theta, dout, dx, partials, dtheta, T, h, g, n, a,
-        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
+        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), num_warps=8 if r >= 4 else 4)
     return dx, sum_partials(partials, dim=0), dtheta
