@@ -35,6 +35,12 @@ def shape(name: str, x: torch.Tensor, expected: Sequence[int | None], meaning: s
         raise ValueError(f"{name} must have shape {meaning} = {want}; got {got}")
 
 
+def one_token(name: str, x: torch.Tensor, d_model: int) -> None:
+    """A decoding step's input: ``x`` of shape (b, 1, d_model)."""
+    if x.dim() != 3 or x.shape[1] != 1 or x.shape[2] != d_model:
+        raise ValueError(f"step takes one token: {name} of shape (b, 1, d_model={d_model}); got {tuple(x.shape)}")
+
+
 def same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors (None ignored) must be on one device; returns it."""
     items = [(k, v) for k, v in tensors.items() if v is not None]

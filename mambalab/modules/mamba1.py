@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import validate
+
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.ops import selective_scan
 from mambalab.ref.selective_scan import selective_scan_step
@@ -147,9 +149,7 @@ class Mamba1(nn.Module):
         The states are updated in place (and returned). Running ``step`` over a sequence from zeroed states
         gives the same outputs as :meth:`forward` on the whole sequence.
         """
-        if hidden_states.dim() != 3 or hidden_states.shape[1] != 1 or hidden_states.shape[2] != self.d_model:
-            raise ValueError(f"step takes one token: hidden_states of shape (b, 1, d_model={self.d_model}); "
-                             f"got {tuple(hidden_states.shape)}")
+        validate.one_token("hidden_states", hidden_states, self.d_model)
         dtype = hidden_states.dtype
         n, r = self.d_state, self.dt_rank
 

@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import validate
+
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
@@ -214,9 +216,7 @@ class Mamba2(nn.Module):
         The states are updated in place (and returned). Running ``step`` over a sequence from zeroed states
         gives the same outputs as :meth:`forward` on the whole sequence.
         """
-        if u.dim() != 3 or u.shape[1] != 1 or u.shape[2] != self.d_model:
-            raise ValueError(f"step takes one token: u of shape (b, 1, d_model={self.d_model}); "
-                             f"got {tuple(u.shape)}")
+        validate.one_token("u", u, self.d_model)
         dtype = u.dtype
 
         z, xBC, dt = self.in_proj(u[:, 0]).split(self.split_sizes(), dim=-1)  # (b, d), (b, conv_dim), (b, h)

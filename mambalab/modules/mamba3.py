@@ -57,6 +57,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import validate
+
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ref.mamba3 import zero_state
 
@@ -248,9 +250,7 @@ class Mamba3(nn.Module):
         from a zeroed state gives the outputs of :meth:`forward` on the whole sequence. The Triton step
         kernel has no backward: call it under ``torch.no_grad()`` (or use the reference backend).
         """
-        if u.dim() != 3 or u.shape[1] != 1 or u.shape[2] != self.d_model:
-            raise ValueError(f"step takes one token: u of shape (b, 1, d_model={self.d_model}); "
-                             f"got {tuple(u.shape)}")
+        validate.one_token("u", u, self.d_model)
         _, step = scan_functions(self.backend)
         y, state = step(state, **self.scan_inputs(self.in_proj(u[:, 0])))     # (b, h, p)
         return self.out_proj(y.flatten(-2).to(u.dtype)).unsqueeze(1), state
