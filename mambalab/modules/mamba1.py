@@ -25,7 +25,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import validate
-
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.ops import selective_scan
 from mambalab.ref.selective_scan import selective_scan_step

@@ -35,7 +35,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import validate
-
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan

@@ -58,7 +58,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import validate
-
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ref.mamba3 import zero_state
 
