@@ -105,34 +105,47 @@ def stages(x, dout, chunk, reduction):
     return {name: time_ms(fn, warmup=3, rep=15) for name, fn in t.items()} | {"tiles": repr(cfg)}
 
 
+# Tile configurations the sweep tries, as changes to the rule's: forward (block_t, block_k, num_warps), then the
+# chunk-scan backward (bwd_block_t, bwd_num_warps). Chosen from the compile reports of benchmarks/ptxas_ssd.py.
+SWEEP_FORWARD = [dict(block_t=bt, block_k=bk, num_warps=w) for bt, bk, w in
+                 ((64, 64, 8), (64, 128, 8), (128, 64, 8), (32, 64, 4), (64, 64, 4))]
+SWEEP_BACKWARD = [dict(bwd_block_t=bt, bwd_num_warps=w) for bt, w in
+                  ((32, 8), (32, 4), (64, 8), (64, 4), (16, 4), (128, 8))]
+
+
 def sweep(x, dout, chunk):
-    """Forward and backward with other tile configurations (for tuning the rule; deterministic mode)."""
+    """Forward and backward with other tile configurations (for tuning the rule; deterministic mode): first
+    the forward's tiles with the rule's backward, then the backward's with the rule's forward. Each row
+    times the forward, the backward and the chunk-scan backward kernels alone."""
     import dataclasses
 
     from mambalab.kernels.ssd import backward as bw
+    from mambalab.kernels.ssd import chunk_scan
     from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
     from mambalab.kernels.ssd.tiles import tile_config
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
+    prec = "ieee" if xx.dtype == torch.float32 else "tf32"
     base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk)
     rows = []
-    for block_t in (32, 64, 128):
-        for block_k in (64, 128):
-            for num_warps in (4, 8):
-                cfg = dataclasses.replace(base, block_t=block_t, block_k=block_k, num_warps=num_warps)
-                row = {"block_t": block_t, "block_k": block_k, "num_warps": num_warps}
-                try:
-                    run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias,
-                                                         dt_softplus=True, cfg=cfg)
-                    f = run_fwd()
-                    row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
-                    row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, f, xx, dt, A, B, C, D=D,
-                                                                         dt_bias=bias, dt_softplus=True),
-                                            warmup=2, rep=10)
-                except Exception as err:  # a configuration that does not compile is recorded, not fatal
-                    row["error"] = repr(err)[:300]
-                print(row, flush=True)
-                rows.append(row)
+    for change in SWEEP_FORWARD + SWEEP_BACKWARD:
+        cfg = dataclasses.replace(base, **change)
+        row = dict(change)
+        try:
+            run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=cfg)
+            f = run_fwd()
+            row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
+            row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, f, xx, dt, A, B, C, D=D, dt_bias=bias,
+                                                                 dt_softplus=True), warmup=2, rep=10)
+            dS = torch.randn_like(f.entering_states)
+            row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
+                dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg, "deterministic", prec),
+                warmup=2, rep=10)
+            row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
+        except Exception as err:  # a configuration that does not compile is recorded, not fatal
+            row["error"] = repr(err)[:300]
+        print(row, flush=True)
+        rows.append(row)
     return rows
 
 
@@ -146,7 +159,7 @@ def main():
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
-    p.add_argument("--sweep", action="store_true", help="also time other tile configurations (bf16)")
+    p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -180,8 +193,9 @@ def main():
         print(case, flush=True)
         result["cases"].append(case)
         write(args.out, result)  # after every case, so a run cut short keeps what it measured
-        if args.sweep and dname == "bf16":
-            result["tile_sweep_bf16"] = sweep(x, dout, args.chunk)
+        if args.sweep:
+            case["tile_sweep"] = sweep(x, dout, args.chunk)
+            write(args.out, result)
         del x, dout
     write(args.out, result)
 

@@ -5,7 +5,8 @@
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
 #   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep,
 #            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic),
-#            mamba3-tests, mamba3-bench, nb-NN (one notebook at its GPU size)
+#            ssd-sweep (tile configurations), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
+#            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size)
 #   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -44,6 +45,9 @@ for step in "$@"; do
                  >"$OUT/ssd-bench.log" 2>&1
                timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
                tail -3 "$OUT/ssd-bench.log" ;;
+    ssd-sweep) # tile configurations of mambalab's SSD beside mamba-ssm's deterministic mode (pinned: compiles fast)
+               timeout "${SSD_SWEEP_T:-300}" python3 benchmarks/bench_ssd.py --reps 3 --sweep --mamba-deterministic \
+                 --out "$OUT/ssd_sweep.json" >"$OUT/ssd-sweep.log" 2>&1; tail -3 "$OUT/ssd-sweep.log" ;;
     mamba3-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba3_module" tests/test_mamba3_kernels.py tests/test_mamba3_ref.py \
                     tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
     mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" >"$OUT/mamba3-bench.log" 2>&1

@@ -161,12 +161,16 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 #                 (rather than +dws_s at q-1 and -dws_s at s, which would cancel in the same way)
 # Steps 1 and 3 share one kernel because both walk the same positions with the same x, B, Δ, cs.
 #
-# One program: (batch row, chunk, head), the whole head dimension and state (tiles.backward_block_p,
-# BLOCK_N), so sums over p and n stay inside it. Pass 1 walks the rows t (dz, dC, the row part of dcs, dD);
-# pass 2 the columns s (dx, dB, dΔ, the column part of dcs, dws); each output is written once, by one pass.
-# Sums over programs: dB and dC over the heads of a group (g < h), dD over batch rows and chunks. With
-# REDUCE_ATOMIC they go into zeroed fp32 buffers by tl.atomic_add; otherwise each program writes its own
-# slot (dB, dC per head (b, l, h, n); dD (h, b·c, p or 1)) and sum_partials folds them.
+# Two kernels, each with one program per (batch row, chunk, head, block of BLOCK_T positions) and the whole
+# head dimension and state (tiles.backward_block_p, BLOCK_N), so sums over p and n stay inside a program:
+# the rows kernel takes the block's rows t (dz, dC, the row part of dcs, dD) and walks the columns s ≤ t;
+# the columns kernel takes the block's columns s (dx, dB, dΔ, the column part of dcs, dws) and walks the
+# rows t ≥ s. Each output is written once, by one program. Splitting by block rather than by chunk gives
+# q/BLOCK_T times more programs, and each holds one (p, n) state tile (H_c or dS_c), not two: the single
+# kernel that did both passes per chunk needed the whole register file of an sm_90 SM per program.
+# Sums over programs: dB and dC over the heads of a group (g < h), dD over batch rows, chunks and blocks.
+# With REDUCE_ATOMIC they go into zeroed fp32 buffers by tl.atomic_add; otherwise each program writes its
+# own slot (dB, dC per head (b, l, h, n); dD (h, b·c·q/BLOCK_T, p or 1)) and sum_partials folds them.
 
 
 @triton.jit
@@ -221,34 +225,142 @@ def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
 
 
 @triton.jit
-def chunk_scan_bwd_kernel(
+def chunk_scan_bwd_rows_kernel(
     x_ptr,            # (b, l, h, p)
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
     entering_ptr,     # (b, c, h, p, n) fp32 H_c
+    D_ptr,            # (h,) or (h, p), or a dummy
+    z_ptr,            # (b, l, h, p), or a dummy
+    dout_ptr,         # (b, l, h, p)
+    dz_ptr,           # (b, l, h, p) out (or a dummy)
+    dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
+    dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c·q/BLOCK_T, p or 1); or a dummy
+    h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
+    HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Rows t of one block: dz, dC, dcs (row part), dD. One program: (batch row, chunk, head, block of rows)."""
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    n_tblocks = Q // BLOCK_T
+    head = tl.program_id(2) // n_tblocks
+    tblk = tl.program_id(2) % n_tblocks
+    group = head // (h // g)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    mask_p = offs_p < p
+    mask_n = offs_n < n
+    dot_ty = x_ptr.dtype.element_ty
+    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
+
+    t0 = tblk * BLOCK_T
+    offs_t = t0 + tl.arange(0, BLOCK_T)
+    mask_t = pid_c * Q + offs_t < l
+    row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+    tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+    mask_tp = mask_t[:, None] & mask_p[None, :]
+    mask_tn = mask_t[:, None] & mask_n[None, :]
+    Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0).to(dot_ty)
+    cs_t = tl.load(cs_ptr + chunk + offs_t)
+    e_t = tl.exp(cs_t)
+    dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+    dY = dout
+    if HAS_Z:
+        zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(zz)
+        dY = dout * zz * sig
+    # the state in: the chunk's entering state, needed for this block's rows alone
+    pn = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
+    Hc = tl.load(entering_ptr + pn, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(dot_ty)   # (BP, BN)
+    CH = tl.dot(Ct, tl.trans(Hc), input_precision=DOT_PRECISION)                    # (BT, BP): H_c C_t
+    y = e_t[:, None] * CH
+    dcs_row = e_t * tl.sum(dY * CH, axis=1)
+    dY_dot = dY.to(dot_ty)
+    dC = e_t[:, None] * tl.dot(dY_dot, Hc, input_precision=DOT_PRECISION)           # (BT, BN)
+    # the diagonal: columns s ≤ t
+    for s0 in range(0, t0 + BLOCK_T, BLOCK_T):
+        offs_s = s0 + tl.arange(0, BLOCK_T)
+        mask_s = pid_c * Q + offs_s < l
+        row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+        Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
+                     mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
+        xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
+                     mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
+        cs_s = tl.load(cs_ptr + chunk + offs_s)
+        delta_s = tl.load(delta_ptr + chunk + offs_s)
+        causal = offs_t[:, None] >= offs_s[None, :]
+        L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))
+        CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
+        if HAS_Z:
+            y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)
+        dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
+        Mw = L * dYx * delta_s[None, :]
+        dC += tl.dot(Mw.to(dot_ty), Bs, input_precision=DOT_PRECISION)
+        dcs_row += tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], Mw * CB, 0.0), axis=1)
+    tl.store(dcs_row_ptr + chunk + offs_t, dcs_row)
+    if REDUCE_ATOMIC:
+        tl.atomic_add(dC_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], dC, mask=mask_tn)
+    else:
+        tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC, mask=mask_tn)
+    if HAS_D or HAS_Z:
+        x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+    if HAS_D:
+        if D_PER_DIM:
+            Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+        else:
+            Dv = tl.load(D_ptr + head).to(tl.float32)
+        y += x_t * Dv
+        slot = (head * n_blocks_total + (pid_b * c + pid_c) * n_tblocks + tblk).to(tl.int64)
+        if D_PER_DIM:
+            dD = tl.sum(dY * x_t, axis=0)                                                # (BP,)
+            if REDUCE_ATOMIC:
+                tl.atomic_add(dD_ptr + head * p + offs_p, dD, mask=mask_p)
+            else:
+                tl.store(dD_ptr + slot * p + offs_p, dD, mask=mask_p)
+        else:
+            dD = tl.sum(tl.sum(dY * x_t, axis=1), axis=0)
+            if REDUCE_ATOMIC:
+                tl.atomic_add(dD_ptr + head, dD)
+            else:
+                tl.store(dD_ptr + slot, dD)
+    if HAS_Z:
+        dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
+        tl.store(dz_ptr + tp, dz.to(dz_ptr.dtype.element_ty), mask=mask_tp)
+
+
+@triton.jit
+def chunk_scan_bwd_columns_kernel(
+    x_ptr,            # (b, l, h, p)
+    B_ptr,            # (b, l, g, n)
+    C_ptr,            # (b, l, g, n)
+    delta_ptr,        # (b, h, c, q) fp32 Δ
+    cs_ptr,           # (b, h, c, q) fp32
     dstates_ptr,      # (b, c, h, p, n) fp32 dS_c, from state passing's backward
     D_ptr,            # (h,) or (h, p), or a dummy
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
     dx_ptr,           # (b, l, h, p) out, x's dtype
-    dz_ptr,           # (b, l, h, p) out (or a dummy)
     dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
-    dC_ptr,           # like dB_ptr
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
-    dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
-    dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c, p or 1) partials; or a dummy
-    h, p, n, l, g, c, n_chunks_total,   # n_chunks_total = b·c
+    h, p, n, l, g, c,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
+    """Columns s of one block: dx, dB, dΔ, dcs (column part) and step 1's backward.
+    One program: (batch row, chunk, head, block of columns)."""
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
-    head = tl.program_id(2)
+    n_sblocks = Q // BLOCK_T
+    head = tl.program_id(2) // n_sblocks
+    sblk = tl.program_id(2) % n_sblocks
     group = head // (h // g)
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
@@ -257,143 +369,63 @@ def chunk_scan_bwd_kernel(
     dot_ty = x_ptr.dtype.element_ty
     chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
     cs_last = tl.load(cs_ptr + chunk + Q - 1)
+
+    s0 = sblk * BLOCK_T
+    offs_s = s0 + tl.arange(0, BLOCK_T)
+    mask_s = pid_c * Q + offs_s < l
+    row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+    sp = (row_s[:, None] * h + head) * p + offs_p[None, :]
+    mask_sp = mask_s[:, None] & mask_p[None, :]
+    mask_sn = mask_s[:, None] & mask_n[None, :]
+    Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], mask=mask_sn, other=0.0).to(dot_ty)
+    xs = tl.load(x_ptr + sp, mask=mask_sp, other=0.0)
+    xs_dot = xs.to(dot_ty)
+    cs_s = tl.load(cs_ptr + chunk + offs_s)
+    delta_s = tl.load(delta_ptr + chunk + offs_s)
+    # chunk states: S_c = Σ_s w_s x_s B_sᵀ, so the chunk's dS_c reaches these columns
     pn = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
-    mask_pn = mask_p[:, None] & mask_n[None, :]
-    Hc = tl.load(entering_ptr + pn, mask=mask_pn, other=0.0).to(dot_ty)            # (BP, BN)
-    dS = tl.load(dstates_ptr + pn, mask=mask_pn, other=0.0).to(dot_ty)             # (BP, BN)
+    dS = tl.load(dstates_ptr + pn, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(dot_ty)   # (BP, BN)
+    w_e = tl.exp(cs_last - cs_s)
+    w = w_e * delta_s
+    dSB = tl.dot(Bs, tl.trans(dS), input_precision=DOT_PRECISION)                  # (BT, BP): dS_c B_s
+    dx = w[:, None] * dSB
+    dB = w[:, None] * tl.dot(xs_dot, dS, input_precision=DOT_PRECISION)            # (BT, BN)
+    dw = tl.sum(xs.to(tl.float32) * dSB, axis=1)
+    ddelta = w_e * dw
+    dcs_col = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    # the diagonal: rows t ≥ s
+    for t0 in range(s0, Q, BLOCK_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = pid_c * Q + offs_t < l
+        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+        dY = _gated_grad(dout_ptr, z_ptr, tp, mask_t[:, None] & mask_p[None, :], HAS_Z).to(dot_ty)
+        Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
+                     mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
+        cs_t = tl.load(cs_ptr + chunk + offs_t)
+        causal = offs_t[:, None] >= offs_s[None, :]
+        L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))   # (BT rows t, BT cols s)
+        LCB = L * tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
+        dYx = tl.dot(dY, tl.trans(xs_dot), input_precision=DOT_PRECISION)
+        dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
+        dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
+        G = LCB * dYx
+        ddelta += tl.sum(G, axis=0)                                                    # (BT,) per column s
+        dcs_col -= delta_s * tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], G, 0.0), axis=0)
     if HAS_D:
         if D_PER_DIM:
             Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
         else:
             Dv = tl.load(D_ptr + head).to(tl.float32)
-    dD_acc = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
+        dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
+    tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
     if REDUCE_ATOMIC:
-        BC_HEADS = g            # dB/dC rows are per group
-        bc_col = group
+        tl.atomic_add(dB_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], dB, mask=mask_sn)
     else:
-        BC_HEADS = h            # per head, summed over the group's heads afterwards
-        bc_col = head
-
-    # Pass 1: rows t. dz, dC, dcs (row part), dD.
-    for t0 in range(0, Q, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = pid_c * Q + offs_t < l
-        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
-        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
-        mask_tp = mask_t[:, None] & mask_p[None, :]
-        mask_tn = mask_t[:, None] & mask_n[None, :]
-        Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
-        cs_t = tl.load(cs_ptr + chunk + offs_t)
-        e_t = tl.exp(cs_t)
-        dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-        dY = dout
-        if HAS_Z:
-            zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(zz)
-            dY = dout * zz * sig
-        CH = tl.dot(Ct.to(dot_ty), tl.trans(Hc), input_precision=DOT_PRECISION)     # (BT, BP): H_c C_t
-        y = e_t[:, None] * CH
-        dcs_row = e_t * tl.sum(dY * CH, axis=1)
-        dC = e_t[:, None] * tl.dot(dY.to(dot_ty), Hc, input_precision=DOT_PRECISION)   # (BT, BN)
-        for s0 in range(0, t0 + BLOCK_T, BLOCK_T):
-            offs_s = s0 + tl.arange(0, BLOCK_T)
-            mask_s = pid_c * Q + offs_s < l
-            row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
-            Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
-                         mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
-            xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
-                         mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
-            cs_s = tl.load(cs_ptr + chunk + offs_s)
-            delta_s = tl.load(delta_ptr + chunk + offs_s)
-            causal = offs_t[:, None] >= offs_s[None, :]
-            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))
-            CB = tl.dot(Ct.to(dot_ty), tl.trans(Bs), input_precision=DOT_PRECISION)          # (BT, BT)
-            if HAS_Z:
-                y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)
-            dYx = tl.dot(dY.to(dot_ty), tl.trans(xs), input_precision=DOT_PRECISION)         # (BT, BT)
-            Mw = L * dYx * delta_s[None, :]
-            dC += tl.dot(Mw.to(dot_ty), Bs, input_precision=DOT_PRECISION)
-            dcs_row += tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], Mw * CB, 0.0), axis=1)
-        x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-        if HAS_D:
-            dD_acc += dY * x_t
-            y += x_t * Dv
-        if HAS_Z:
-            dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
-            tl.store(dz_ptr + tp, dz.to(dz_ptr.dtype.element_ty), mask=mask_tp)
-        bc = (row_t[:, None] * BC_HEADS + bc_col) * n + offs_n[None, :]
-        if REDUCE_ATOMIC:
-            tl.atomic_add(dC_ptr + bc, dC, mask=mask_tn)
-        else:
-            tl.store(dC_ptr + bc, dC, mask=mask_tn)
-        tl.store(dcs_row_ptr + chunk + offs_t, dcs_row)
-
-    if HAS_D:
-        if D_PER_DIM:
-            dD = tl.sum(dD_acc, axis=0)                                                   # (BP,)
-            if REDUCE_ATOMIC:
-                tl.atomic_add(dD_ptr + head * p + offs_p, dD, mask=mask_p)
-            else:
-                slot = (head * n_chunks_total + pid_b * c + pid_c).to(tl.int64) * p
-                tl.store(dD_ptr + slot + offs_p, dD, mask=mask_p)
-        else:
-            dD = tl.sum(tl.sum(dD_acc, axis=1), axis=0)
-            if REDUCE_ATOMIC:
-                tl.atomic_add(dD_ptr + head, dD)
-            else:
-                tl.store(dD_ptr + (head * n_chunks_total + pid_b * c + pid_c).to(tl.int64), dD)
-
-    # Pass 2: columns s. dx, dB, dΔ, dcs (column part), and step 1's backward.
-    for s0 in range(0, Q, BLOCK_T):
-        offs_s = s0 + tl.arange(0, BLOCK_T)
-        mask_s = pid_c * Q + offs_s < l
-        row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
-        sp = (row_s[:, None] * h + head) * p + offs_p[None, :]
-        mask_sp = mask_s[:, None] & mask_p[None, :]
-        mask_sn = mask_s[:, None] & mask_n[None, :]
-        Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], mask=mask_sn, other=0.0).to(dot_ty)
-        xs = tl.load(x_ptr + sp, mask=mask_sp, other=0.0)
-        cs_s = tl.load(cs_ptr + chunk + offs_s)
-        delta_s = tl.load(delta_ptr + chunk + offs_s)
-        # chunk states: S_c = Σ_s w_s x_s B_sᵀ
-        w_e = tl.exp(cs_last - cs_s)
-        w = w_e * delta_s
-        dSB = tl.dot(Bs, tl.trans(dS), input_precision=DOT_PRECISION)                  # (BT, BP): dS_c B_s
-        dx = w[:, None] * dSB
-        dB = w[:, None] * tl.dot(xs.to(dot_ty), dS, input_precision=DOT_PRECISION)     # (BT, BN)
-        dw = tl.sum(xs.to(tl.float32) * dSB, axis=1)
-        ddelta = w_e * dw
-        dcs_col = tl.zeros((BLOCK_T,), dtype=tl.float32)
-        # the diagonal blocks: rows t ≥ s
-        for t0 in range(s0, Q, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T)
-            mask_t = pid_c * Q + offs_t < l
-            row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
-            tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
-            dY = _gated_grad(dout_ptr, z_ptr, tp, mask_t[:, None] & mask_p[None, :], HAS_Z).to(dot_ty)
-            Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
-                         mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
-            cs_t = tl.load(cs_ptr + chunk + offs_t)
-            causal = offs_t[:, None] >= offs_s[None, :]
-            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))   # (BT rows t, BT cols s)
-            LCB = L * tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
-            dYx = tl.dot(dY, tl.trans(xs.to(dot_ty)), input_precision=DOT_PRECISION)
-            dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
-            dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
-            G = LCB * dYx
-            ddelta += tl.sum(G, axis=0)                                                    # (BT,) per column s
-            dcs_col -= delta_s * tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], G, 0.0), axis=0)
-        if HAS_D:
-            dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
-        tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
-        bc = (row_s[:, None] * BC_HEADS + bc_col) * n + offs_n[None, :]
-        if REDUCE_ATOMIC:
-            tl.atomic_add(dB_ptr + bc, dB, mask=mask_sn)
-        else:
-            tl.store(dB_ptr + bc, dB, mask=mask_sn)
-        tl.store(ddelta_ptr + chunk + offs_s, ddelta)
-        tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
-        tl.store(dws_ptr + chunk + offs_s, w * dw)
+        tl.store(dB_ptr + (row_s[:, None] * h + head) * n + offs_n[None, :], dB, mask=mask_sn)
+    tl.store(ddelta_ptr + chunk + offs_s, ddelta)
+    tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
+    tl.store(dws_ptr + chunk + offs_s, w * dw)
 
 
 def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precision: str = "ieee"):
@@ -413,11 +445,15 @@ def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precisio
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
                    dot_precision: str = "ieee"):
-    """Launch the chunk backward (steps 3 and 1). Returns (dx in x's dtype, dz or None, dB, dC (b, l, g, n)
-    fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws (b, h, c, q) fp32)."""
+    """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
+    program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
+    dz or None, dB, dC (b, l, g, n) fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
+    (b, h, c, q) fp32)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
+    block_t = cfg.backward_block_t
+    n_tblocks = q // block_t
     atomic = reduction == "atomic"
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty_like(x)
@@ -432,16 +468,21 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     dD = None
     if D is not None:
         pd = p if D.dim() == 2 else 1
-        dD = torch.zeros(h, pd, **f32) if atomic else torch.empty(h, b * c, pd, **f32)
-    chunk_scan_bwd_kernel[(b, c, h)](
-        x, B, C, delta, cs, entering, dstates,
-        D if D is not None else x, z if z is not None else x, dout,
-        dx, dz if dz is not None else dx, dB, dC, ddelta, dcs_row, dcs_col, dws,
-        dD if dD is not None else ddelta,
-        h, p, n, l, g, c, b * c,
-        HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic,
-        BLOCK_T=cfg.backward_block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
-        DOT_PRECISION=dot_precision, num_warps=cfg.num_warps,
+        dD = torch.zeros(h, pd, **f32) if atomic else torch.empty(h, b * c * n_tblocks, pd, **f32)
+    grid = (b, c, h * n_tblocks)
+    flags = dict(HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
+                 REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
+                 DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps)
+    D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
+    chunk_scan_bwd_rows_kernel[grid](
+        x, B, C, delta, cs, entering, D_arg, z_arg, dout,
+        dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
+        h, p, n, l, g, c, b * c * n_tblocks, **flags,
+    )
+    chunk_scan_bwd_columns_kernel[grid](
+        x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
+        dx, dB, ddelta, dcs_col, dws,
+        h, p, n, l, g, c, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)

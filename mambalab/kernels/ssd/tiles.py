@@ -25,11 +25,16 @@ class TileConfig:
     block_k: int      # state dimensions per step of the chunk scan's loop over n (its dot products)
     block_pn: int     # state elements (p·n, flattened) per program in state passing
     num_warps: int
-    bwd_block_t: int | None = None  # chunk positions per step of the chunk-scan backward; None: block_t
+    bwd_block_t: int | None = None  # chunk positions per program of the chunk-scan backward; None: block_t
+    bwd_num_warps: int | None = None  # warps per chunk-scan backward program; None: num_warps
 
     @property
     def backward_block_t(self) -> int:
         return self.bwd_block_t or self.block_t
+
+    @property
+    def backward_num_warps(self) -> int:
+        return self.bwd_num_warps or self.num_warps
 
     def __post_init__(self):
         for name in ("block_t", "block_p", "block_n", "block_k"):
