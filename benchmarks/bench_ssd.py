@@ -78,7 +78,7 @@ def stages(x, dout, chunk, reduction):
     from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
-    prec = "ieee" if xx.dtype == torch.float32 else "tf32"
+    prec = mambalab.device.dot_precision(xx.dtype, xx.device)   # what the op uses: TF32 dots for fp32 on a GPU
     f = ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True)
     cfg, lim = f.tiles, (0.0, float("inf"))
     dH = chunk_scan.chunk_scan_bwd_dstates(dout, None, C, f.dA_cumsum, cfg, xx.shape[3], prec)
@@ -125,8 +125,8 @@ def sweep(x, dout, chunk):
     from mambalab.kernels.ssd.tiles import tile_config
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
-    prec = "ieee" if xx.dtype == torch.float32 else "tf32"
-    base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk)
+    prec = mambalab.device.dot_precision(xx.dtype, xx.device)
+    base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk, xx.dtype)
     rows = []
     for change in SWEEP_FORWARD + SWEEP_BACKWARD:
         cfg = dataclasses.replace(base, **change)

@@ -122,6 +122,24 @@ def test_tiles_smaller_than_the_chunk():
             assert_close(gr, want[k], f"{k} ({reduction})")
 
 
+def test_the_16_bit_rule_tiles():
+    """The tiles a bf16/fp16 input gets on a GPU (backward blocks of 64 positions, two per 128-step chunk),
+    run here on fp32 inputs through the interpreter: both reduction modes against the reference."""
+    b, l, h, p, g, n, q = 1, 200, 2, 8, 1, 16, 128
+    inp = make_inputs(b, l, h, p, g, n, D="h")
+    cfg = kernels.tile_config(h, p, n, q, torch.bfloat16)
+    assert cfg.backward_block_t == 64
+    kw = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
+    dout, dfinal = cotangents(b, l, h, p, n)
+    fwd = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, **{k: inp[k] for k in NAMES[5:]}, cfg=cfg, **kw)
+    want = ref_grads(inp, dout, dfinal, chunk_size=q, **kw)
+    for reduction in ("atomic", "deterministic"):
+        got = kernels.ssd_chunk_scan_bwd(dout, dfinal, fwd, *(inp[k] for k in NAMES[:5]), D=inp["D"], z=inp["z"],
+                                         dt_bias=inp["dt_bias"], has_initial_states=True, reduction=reduction, **kw)
+        for k, gr in zip(NAMES, got):
+            assert_close(gr, want[k], f"{k} ({reduction})")
+
+
 def test_softplus_linear_region():
     """dt + dt_bias above 20, where softplus is the identity (gradient 1), next to ordinary steps."""
     b, l, h, p, g, n, q = 1, 24, 2, 4, 1, 4, 16

@@ -245,15 +245,19 @@ def test_op_refuses_to_record_a_graph():
 
 
 def test_tile_rule():
-    cfg = kernels.tile_config(h=24, p=64, n=128, chunk_size=256)
+    cfg = kernels.tile_config(h=24, p=64, n=128, chunk_size=256)               # fp32 (the default dtype)
     assert (cfg.block_t, cfg.block_h, cfg.block_p, cfg.block_n, cfg.block_k, cfg.block_pn) == (
         64, 16, 64, 128, 64, 1024)
-    assert cfg.backward_block_t == 32                                           # fits sm_90's shared memory in fp32
-    assert cfg.num_warps == 8                                                   # a 64 x 128 state tile: no spills
-    small = kernels.tile_config(h=3, p=5, n=6, chunk_size=16)
+    assert (cfg.backward_block_t, cfg.backward_num_warps, cfg.num_warps) == (32, 4, 4)
+    for dtype in (torch.bfloat16, torch.float16):                               # pinned per dtype: 16-bit operands
+        half = kernels.tile_config(24, 64, 128, 256, dtype)
+        assert (half.block_t, half.block_p, half.block_n) == (cfg.block_t, cfg.block_p, cfg.block_n)
+        assert (half.backward_block_t, half.backward_num_warps, half.num_warps) == (64, 4, 8)
+    assert kernels.tile_config(24, 64, 128, 32, torch.bfloat16).backward_block_t == 32   # never beyond the chunk
+    small = kernels.tile_config(h=3, p=5, n=6, chunk_size=16, dtype=torch.bfloat16)
     assert (small.block_t, small.block_h, small.block_p, small.block_n, small.block_k, small.block_pn) == (
         16, 4, 16, 16, 16, 32)
-    assert small.num_warps == 4
+    assert small.num_warps == 4                                                 # a small state tile: 4 warps
     assert kernels.tile_config(8, 80, 16, 64).block_p == 64                    # p = 80: two p-blocks
     ok = dict(chunk_size=32, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64, num_warps=4)
     for change, words in ((dict(block_p=8), "block_p=8 must be at least 16"),

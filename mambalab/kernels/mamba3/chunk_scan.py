@@ -57,7 +57,7 @@ def _precision(x):
 def mamba3_scan_fwd(B, C, x, adt, sigma, initial, r: int, chunk_size: int) -> Mamba3ScanForward:
     """The forward on validated, contiguous tensors (module docstring)."""
     h, p, n = x.shape[2], x.shape[3], B.shape[3]
-    cfg = tile_config(h, p, n, chunk_size * r)
+    cfg = tile_config(h, p, n, chunk_size * r, x.dtype)
     delta, cs = rank_cumsum_fwd(adt, sigma, r, chunk_size, cfg.block_h, cfg.num_warps)
     states = chunk_states_fwd(x, B, delta, cs, cfg, _precision(x))
     entering, final = state_passing_fwd(states, cs, initial, cfg)

@@ -1,12 +1,13 @@
-"""The SSD kernels' tile rule: every block size, from the shape alone.
+"""The SSD kernels' tile rule: every block size, from the shape and the dtype alone.
 
-The rule reads only (h, p, n, q): never the SM count, the batch size, the sequence length or an autotuner,
-so the order of every sum (and so every bit of the results) is the same on every machine.
+The rule reads only (h, p, n, q) and the dtype: never the SM count, the batch size, the sequence length or an
+autotuner, so the order of every sum (and so every bit of the results) is the same on every machine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 
 MIN_DOT = 16  # tl.dot wants every block dimension >= 16 (the CPU interpreter enforces it too)
@@ -50,33 +51,39 @@ class TileConfig:
             raise ValueError(f"block_k={self.block_k} must divide block_n={self.block_n}")
 
 
-def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
-    """The documented rule:
+def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = torch.float32) -> TileConfig:
+    """The documented rule, pinned per dtype (``dtype``: what the kernels read, x's; fp32 on the CPU):
 
     * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
-    * backward BLOCK_T = min(32, q)             the chunk-scan backward holds the whole head and state per
-                                                program: at 64 positions its fp32 tiles need 289 KiB of shared
-                                                memory on sm_90 (the H200 has 227), at 32 they need 152 KiB and
-                                                spill a quarter as much (benchmarks/ptxas_ssd.py, fp32 and bf16)
     * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
     * BLOCK_P  = min(64, next_pow2(p)), >= 16   head dimensions per program (p-blocks of chunk states/scan)
     * BLOCK_N  = next_pow2(n), >= 16            the whole state, so a chunk's state is one tile
     * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
-    * 8 warps a program when a head's state tile is large (BLOCK_P · BLOCK_N >= 64 · 64), else 4. At
-      p = 64, n = 128 the chunk-scan and chunk-states kernels need 255 registers a thread: with 4 warps they
-      spill (656 B in the bf16 chunk-scan forward, 1 KiB in its backward), with 8 they do not, and the SM
-      holds the same 8 warps either way (benchmarks/ptxas_ssd.py, sm_90).
+    * warps: 4 a program, except bf16/fp16 forward and other backward kernels with a large state tile
+      (BLOCK_P · BLOCK_N >= 64 · 64): 8. With 4 warps those spill (656 B in the bf16 chunk-scan forward,
+      benchmarks/ptxas_ssd.py for sm_90) and the bf16 forward took 0.49 rather than 0.45 ms; in fp32 (TF32
+      dots) 4 warps were faster (0.96 against 1.19 ms forward).
+    * chunk-scan backward: min(64, q) positions a program and 4 warps for bf16/fp16; min(32, q) and 4 warps
+      for fp32 (whose 64-position tiles need 2 × the shared memory and were slower).
 
-    The backward kernels reuse these, and take the whole head and the whole state per program
-    (:func:`backward_block_p` = next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside
-    one program; only sums over programs are reductions (atomic or deterministic).
+    Measured on an H200 (benchmarks/results/2026-11-30_h200_ssd_tile_sweep_*.json; b=4, l=4096, h=32,
+    p=64, n=128, q=256, deterministic mode; kernel times without the op's Python): the backward took
+    1.63 ms in bf16 at (64 positions, 4 warps) against 2.77 ms at the previous rule's (32, 8), 2.11 at
+    (64, 8), 1.80 at (32, 4), 2.63 at (16, 4); in fp32 3.24 ms at (32, 4), 4.69 at (32, 8), 4.89 at (64, 4).
+    Register use is at or near 255 a thread in every variant, so an SM runs 8 warps either way; what
+    changes is how many positions each program's dots cover.
 
-    Chosen from compile reports (registers, spills, shared memory for sm_90), not yet from a timed sweep:
-    tuning it on a GPU means changing this function (and recording why here), never adding an autotuner.
+    The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
+    next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
+    over programs are reductions (atomic or deterministic). The rule reads the shape and the dtype, never
+    the SM count, the batch size, the sequence length or an autotuner: tuning it on a GPU means changing
+    this function (and recording why here), never adding an autotuner.
     """
     block_n = max(MIN_DOT, triton.next_power_of_2(n))
     block_p = max(MIN_DOT, min(64, triton.next_power_of_2(p)))
+    narrow = torch.finfo(dtype).bits < 32          # bf16 / fp16 operands
+    large_state = block_p * block_n >= 64 * 64
     return TileConfig(
         chunk_size=chunk_size,
         block_t=min(64, chunk_size),
@@ -85,8 +92,9 @@ def tile_config(h: int, p: int, n: int, chunk_size: int) -> TileConfig:
         block_n=block_n,
         block_k=min(64, block_n),
         block_pn=min(1024, triton.next_power_of_2(p * n)),
-        num_warps=8 if block_p * block_n >= 64 * 64 else 4,
-        bwd_block_t=min(32, chunk_size),
+        num_warps=8 if large_state and narrow else 4,
+        bwd_block_t=min(64 if narrow else 32, chunk_size),
+        bwd_num_warps=4,
     )
 
 
