@@ -225,6 +225,22 @@ def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def _block_program(h, p, n, g, c, Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Where a backward program works: grid (b, c, h · q/BLOCK_T). Returns (batch row, chunk index, head,
+    first position of its block, group, offsets and masks over p and n, the flat start of its chunk in the
+    (b, h, c, q) tensors)."""
+    pid_b = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    head = tl.program_id(2) // (Q // BLOCK_T)
+    start = (tl.program_id(2) % (Q // BLOCK_T)) * BLOCK_T
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = tl.arange(0, BLOCK_N)
+    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
+    return pid_b, pid_c, head, start, head // (h // g), offs_p, offs_n, offs_p < p, offs_n < n, chunk
+
+
+@triton.jit
 def chunk_scan_bwd_rows_kernel(
     x_ptr,            # (b, l, h, p)
     B_ptr,            # (b, l, g, n)
@@ -245,20 +261,9 @@ def chunk_scan_bwd_rows_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """Rows t of one block: dz, dC, dcs (row part), dD. One program: (batch row, chunk, head, block of rows)."""
-    pid_b = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    n_tblocks = Q // BLOCK_T
-    head = tl.program_id(2) // n_tblocks
-    tblk = tl.program_id(2) % n_tblocks
-    group = head // (h // g)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < p
-    mask_n = offs_n < n
+    pid_b, pid_c, head, t0, group, offs_p, offs_n, mask_p, mask_n, chunk = _block_program(
+        h, p, n, g, c, Q, BLOCK_T, BLOCK_P, BLOCK_N)
     dot_ty = x_ptr.dtype.element_ty
-    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
-
-    t0 = tblk * BLOCK_T
     offs_t = t0 + tl.arange(0, BLOCK_T)
     mask_t = pid_c * Q + offs_t < l
     row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
@@ -315,7 +320,7 @@ def chunk_scan_bwd_rows_kernel(
         else:
             Dv = tl.load(D_ptr + head).to(tl.float32)
         y += x_t * Dv
-        slot = (head * n_blocks_total + (pid_b * c + pid_c) * n_tblocks + tblk).to(tl.int64)
+        slot = (head * n_blocks_total + (pid_b * c + pid_c) * (Q // BLOCK_T) + t0 // BLOCK_T).to(tl.int64)
         if D_PER_DIM:
             dD = tl.sum(dY * x_t, axis=0)                                                # (BP,)
             if REDUCE_ATOMIC:
@@ -356,21 +361,10 @@ def chunk_scan_bwd_columns_kernel(
 ):
     """Columns s of one block: dx, dB, dΔ, dcs (column part) and step 1's backward.
     One program: (batch row, chunk, head, block of columns)."""
-    pid_b = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    n_sblocks = Q // BLOCK_T
-    head = tl.program_id(2) // n_sblocks
-    sblk = tl.program_id(2) % n_sblocks
-    group = head // (h // g)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < p
-    mask_n = offs_n < n
+    pid_b, pid_c, head, s0, group, offs_p, offs_n, mask_p, mask_n, chunk = _block_program(
+        h, p, n, g, c, Q, BLOCK_T, BLOCK_P, BLOCK_N)
     dot_ty = x_ptr.dtype.element_ty
-    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
     cs_last = tl.load(cs_ptr + chunk + Q - 1)
-
-    s0 = sblk * BLOCK_T
     offs_s = s0 + tl.arange(0, BLOCK_T)
     mask_s = pid_c * Q + offs_s < l
     row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
