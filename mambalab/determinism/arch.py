@@ -10,14 +10,19 @@ tiles come from the shape (:mod:`mambalab.kernels.ssd.tiles`), sums from :mod:`m
 
 ``with emulate("rtxa6000"):`` makes those software-visible choices behave as on that GPU, on any machine:
 
-* ``torch.cuda.get_device_properties(...)`` (what mamba-ssm reads, and what ``get_device_capability`` and
-  ``get_device_name`` read) returns the profile's ``name``, ``major``/``minor`` and
-  ``multi_processor_count``; on a real GPU every other attribute is the real one's, on the CPU (no
-  GPU) the call answers with the profile instead of raising, so the emulated values can be inspected;
+* ``torch.cuda.get_device_properties(...)`` (what mamba-ssm reads, and what ``get_device_name`` reads)
+  returns the profile's ``name`` and ``multi_processor_count``; on a real GPU every other attribute is
+  the real one's, the compute capability (``major``/``minor``) included: Triton picks the architecture it
+  compiles for from ``get_device_capability``, and code compiled for the profile's architecture (sm_86,
+  sm_89) does not load on an sm_90 GPU (measured on an H200: "no kernel image is available"). On the CPU
+  (no GPU) the call answers with the whole profile, its capability too, instead of raising, so the
+  emulated values can be inspected;
 * on a real GPU, Triton's driver-level ``get_device_properties(...)["multiprocessor_count"]`` (what
   persistent kernels written against Triton read) likewise;
 * Triton's autotuner picks a fixed configuration per profile instead of timing
-  (:mod:`mambalab.determinism.autotune`);
+  (:mod:`mambalab.determinism.autotune`); on a real GPU, among the configurations that run on it (one
+  that needs more shared memory than this GPU has is dropped, as Triton's own timing drops it; one that
+  fits here but not on the emulated GPU is not);
 * on a machine without a GPU, ``torch.cuda.device(i)`` for a CPU tensor's index (None) selects nothing
   instead of raising, so launchers that wrap their launch in it (all of mamba-ssm's Triton ops) run
   through Triton's CPU interpreter, reading the emulated SM count: mamba-ssm's own code then splits its work
@@ -31,9 +36,8 @@ machine the code runs on. So emulation shows the differences that come from *sof
 hardware*; to check the rest, run ``mambalab fingerprint`` (same flags) on the real machines and compare
 the printed fingerprints: equal fingerprints mean equal bits.
 
-Caution on a real GPU: emulating a newer compute capability than the GPU has can send Python code that
-branches on ``get_device_capability`` (torch.compile, some libraries) to kernels the GPU cannot run; keep
-emulated blocks around the ops you study.
+So on a real GPU, code that branches on the compute capability takes the real GPU's branch; only the SM
+count, the name and the autotuner's pick are the profile's.
 """
 from __future__ import annotations
 
@@ -93,14 +97,15 @@ def get_profile(profile: str | ArchProfile) -> ArchProfile:
 
 
 class EmulatedDeviceProperties:
-    """``torch.cuda.get_device_properties``'s answer under :func:`emulate`: the profile's name, major,
-    minor, multi_processor_count and total_memory, and (on a real GPU) the real device's other attributes."""
+    """``torch.cuda.get_device_properties``'s answer under :func:`emulate`: the profile's name,
+    multi_processor_count and total_memory; on a real GPU the real device's other attributes, its compute
+    capability included (Triton compiles for it); without a GPU the profile's compute capability."""
 
     def __init__(self, profile: ArchProfile, real=None):
         self.profile = profile
         self._real = real
         self.name = profile.name
-        self.major, self.minor = profile.compute_capability
+        self.major, self.minor = (real.major, real.minor) if real is not None else profile.compute_capability
         self.multi_processor_count = profile.sm_count
         self.total_memory = profile.memory_gib * 2**30
 

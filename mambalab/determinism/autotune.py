@@ -8,13 +8,16 @@ own kernels have no autotuner (tiles come from a documented shape rule); mamba-s
 This module replaces that timing, while one of two things is in force:
 
 * **pinned** (set by the determinism switch, :mod:`mambalab.determinism.switch`): every autotuned kernel
-  runs the *first* configuration that survives its pruning: the same on every machine, no timing at all.
+  runs the *first* configuration that survives its pruning (and, on a GPU, runs there): the same on every
+  machine that can run it, no timing at all.
 * **emulated** (set by :func:`mambalab.determinism.emulate`): the pick is a fixed function of the emulated
   profile's key, the kernel's name and the configuration: each profile always keeps the same
   configuration, and different profiles may keep different ones, as different GPUs do. It stands for "this
   machine's own choice"; it is *not* the configuration a real GPU of that model would pick, which depends
   on its timings (compare ``mambalab fingerprint`` on the real machines for that).
 
+On a real GPU each candidate is still launched once, so one that cannot run there (more shared memory than
+the GPU has) is dropped as Triton's own timing would drop it; the CPU interpreter launches none.
 Pinned wins over emulated (that is what pinning is for). Picks made here go to a separate cache per
 policy, so Triton's own cache (and its on-disk ``TRITON_CACHE_AUTOTUNING`` results) are neither read nor
 changed. The patch is installed on ``triton.runtime.autotuner.Autotuner.run`` once, on first use, and only
@@ -69,6 +72,12 @@ def _cost(name: str, config, configs) -> float:
     return int.from_bytes(digest, "little") / 2**64
 
 
+def _real_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _install() -> None:
     global _original_run
     if _original_run is not None:
@@ -88,14 +97,28 @@ def _install() -> None:
             return _original_run(self, *args, **kwargs)
         name = getattr(getattr(self, "base_fn", None), "__name__", repr(self.fn))
         caches = self.__dict__.setdefault("_mambalab_caches", {})
-        saved = {k: self.__dict__[k] for k in ("cache", "cache_results", "_bench") if k in self.__dict__}
+        patched = ("cache", "cache_results", "_bench", "_do_bench")
+        saved = {k: self.__dict__[k] for k in patched if k in self.__dict__}
         self.cache = caches.setdefault(current, {})
         self.cache_results = False
-        self._bench = lambda *a, config, **kw: [_cost(name, config, self.configs)] * 3
+        cost = lambda config: [_cost(name, config, self.configs)] * 3
+        if _real_gpu():
+            # Each candidate is launched once through Triton's own _bench, with the stand-in cost in place of
+            # its timing: a configuration that cannot run here (OutOfResources, a failed compile) still gets
+            # Triton's infinite time and loses, as it would under Triton's own timing.
+            triton_bench = type(self)._bench
+
+            def bench(*a, config, **kw):
+                self._do_bench = lambda kernel_call, quantiles: (kernel_call(), cost(config))[1]
+                return triton_bench(self, *a, config=config, **kw)
+
+            self._bench = bench
+        else:   # the CPU interpreter has no resource limits: no launch needed to rank the candidates
+            self._bench = lambda *a, config, **kw: cost(config)
         try:
             return _original_run(self, *args, **kwargs)
         finally:
-            for k in ("cache", "cache_results", "_bench"):
+            for k in patched:
                 if k in saved:
                     self.__dict__[k] = saved[k]
                 else:
