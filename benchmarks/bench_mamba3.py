@@ -14,7 +14,7 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time and the bytes it moves per step.
 
-    python benchmarks/bench_mamba3.py --out DIR          # writes DIR/bench_mamba3.json
+    python benchmarks/bench_mamba3.py --out DIR [--profile] [--precompile-rival N]   # writes DIR/bench_mamba3.json
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import distinct_patterns, environment, time_ms, write  # noqa: E402
+from common import distinct_patterns, environment, profile_table, time_ms, write  # noqa: E402
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
 
@@ -144,6 +144,8 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=16)
     ap.add_argument("--precompile-rival", type=int, default=0, metavar="N",
                     help="compile mamba-ssm's autotuned kernels in N processes first (its ~190 configurations)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
     ap.add_argument("--compile-part", help=argparse.SUPPRESS)   # the job of one precompile process: "i/N"
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -169,6 +171,10 @@ def main():
         scan[f"mambalab_mimo4_c{chunk}"] = measure(ours, x4, m4, chunk, dout, args.reps)
         print(f"mambalab_mimo4_c{chunk}", scan[f"mambalab_mimo4_c{chunk}"], flush=True)
     result["scan"] = scan
+    if args.profile:   # one table per case: kernels and PyTorch operators, device time per forward+backward
+        result["profile"] = {"mambalab_siso_c64": profile_table(lambda: run(ours, x1, m1, 64, dout)),
+                             "mambalab_mimo4_c16": profile_table(lambda: run(ours, x4, m4, 16, dout))}
+        write(Path(args.out) / "bench_mamba3.json", result)
     # The decode step (ours alone) before the rival, so a run cut short in its autotuning keeps it.
     steps = [decode(args.decode_batch, h, p, g, n, a, r) for r in (1, 2, 4, 8)]
     for s in steps:

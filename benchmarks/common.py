@@ -18,6 +18,29 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def profile_table(fn, steps: int = 3, rows: int = 30) -> list[dict]:
+    """Where ``fn``'s time goes: torch.profiler over ``steps`` calls (after one warm-up call), one row per
+    operator or kernel name, sorted by the device time it took itself (CPU time without a GPU): its name,
+    how many calls, and the totals per call of ``fn`` in ms. Kernel launches appear under their Triton or
+    CUDA kernel names, PyTorch's own work under its aten operator and kernel names."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    return [{"name": e.key, "calls_per_step": e.count / steps,
+             "self_ms_per_step": getattr(e, key) / 1e3 / steps,
+             "cpu_ms_per_step": e.cpu_time_total / 1e3 / steps}
+            for e in events[:rows] if getattr(e, key) > 0]
+
+
 def bits(t: torch.Tensor) -> str:
     """A hash of a tensor's exact bits (mambalab's fingerprint)."""
     from mambalab.determinism import fingerprint

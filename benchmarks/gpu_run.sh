@@ -50,7 +50,7 @@ for step in "$@"; do
                  --out "$OUT/ssd_sweep.json" >"$OUT/ssd-sweep.log" 2>&1; tail -3 "$OUT/ssd-sweep.log" ;;
     mamba3-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba3_module" tests/test_mamba3_kernels.py tests/test_mamba3_ref.py \
                     tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
-    mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" --precompile-rival "${M3_JOBS:-12}" \
+    mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" --precompile-rival "${M3_JOBS:-12}" --profile \
                     >"$OUT/mamba3-bench.log" 2>&1
                   tail -5 "$OUT/mamba3-bench.log" ;;
     det-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_determinism.py tests/test_determinism_kernels.py \
