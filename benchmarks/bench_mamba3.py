@@ -29,7 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import distinct_patterns, environment, profile_table, time_ms, write  # noqa: E402
+from common import (distinct_patterns, environment, keep_config_slice, precompile_in_parallel,  # noqa: E402
+                    profile_table, time_ms, write)
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
 
@@ -86,30 +87,12 @@ def measure(fn, x, mimo, chunk, dout, reps):
     return {"fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd, "distinct_grad_patterns": distinct_patterns(runs)}
 
 
-def precompile_rival(parts: int, argv: list[str]) -> None:
-    """Compile mamba-ssm's autotuned Mamba-3 kernels in ``parts`` processes at once, each given a slice of
-    every autotuner's configurations, so that the measured process finds them in Triton's on-disk cache.
-    Its autotuner still times every configuration and picks as shipped: only the compiling is spread out."""
-    import subprocess
-
-    procs = [subprocess.Popen([sys.executable, __file__, *argv, "--compile-part", f"{i}/{parts}"])
-             for i in range(parts)]
-    for proc in procs:
-        proc.wait()
-
-
 def compile_part(part: str, shape) -> None:
-    """One precompile process: keep slice i of every autotuner's configurations, run the rival once."""
-    from triton.runtime.autotuner import Autotuner
-
+    """One precompile process (common.precompile_in_parallel): its slice of the rival's configurations."""
     from mambalab import oracle
 
-    i, parts = map(int, part.split("/"))
     oracle.module("ops.triton.mamba3.mamba3_siso_combined")
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("mamba_ssm.ops.triton.mamba3"):
-            for tuner in (v for v in vars(mod).values() if isinstance(v, Autotuner) and len(v.configs) > 1):
-                tuner.configs = tuner.configs[i::parts] or [tuner.configs[i % len(tuner.configs)]]
+    keep_config_slice("mamba_ssm.ops.triton.mamba3", part)
     b, l, h, p, g, n, a = shape
     x1, m1 = make(b, l, h, p, g, n, a, 1)
     run(theirs, x1, m1, 64, torch.randn(b, l, h, p, device="cuda").bfloat16())
@@ -154,7 +137,7 @@ def main():
         compile_part(args.compile_part, args.shape)
         return
     if args.precompile_rival:   # first: those processes also run kernels on the GPU, which would skew timings
-        precompile_rival(args.precompile_rival, ["--out", args.out, "--shape", *map(str, args.shape)])
+        precompile_in_parallel(__file__, ["--out", args.out, "--shape", *map(str, args.shape)], args.precompile_rival)
     b, l, h, p, g, n, a = args.shape
     result = {"environment": environment(), "shape": dict(b=b, l=l, h=h, p=p, g=g, n=n, a=a), "dtype": "bf16"}
 

@@ -9,6 +9,7 @@ pins its configurations at import, so it is a separate process: run once plain a
 mambalab beside the rival it has, so every ratio is within one run.
 
     python benchmarks/bench_ssd.py --out DIR/ssd_default.json [--mamba-deterministic] [--stages] [--sweep]
+                                  [--precompile-rival N]
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import distinct_patterns, environment, time_ms, write  # noqa: E402
+from common import distinct_patterns, environment, keep_config_slice, precompile_in_parallel, time_ms, write  # noqa: E402,E501
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -160,6 +161,9 @@ def main():
     p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
     p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    p.add_argument("--precompile-rival", type=int, default=0, metavar="N",
+                   help="compile mamba-ssm's autotuned configurations in N processes first (its default mode)")
+    p.add_argument("--compile-part", help=argparse.SUPPRESS)   # the job of one precompile process: "i/N"
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -169,9 +173,21 @@ def main():
     from mambalab.ops import ssd_chunk_scan
 
     mamba_chunk_scan_combined = oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined
+    b, l, h, hp, g, n = args.shape
+    if args.compile_part:   # one precompile process: its slice of the rival's configurations, once per dtype
+        keep_config_slice("mamba_ssm.ops.triton", args.compile_part)
+        for dname in args.dtypes:
+            x = make(b, l, h, hp, g, n, DTYPES[dname])
+            step(mamba_chunk_scan_combined, x, torch.randn(b, l, h, hp, device="cuda", dtype=DTYPES[dname]),
+                 args.chunk)
+        torch.cuda.synchronize()
+        return
+    if args.precompile_rival:   # before any timing: those processes run kernels on the GPU too
+        argv = ["--out", args.out, "--dtypes", *args.dtypes, "--shape", *map(str, args.shape), "--chunk",
+                str(args.chunk)] + (["--mamba-deterministic"] if args.mamba_deterministic else [])
+        precompile_in_parallel(__file__, argv, args.precompile_rival)
 
     rival = "mamba_ssm_deterministic" if args.mamba_deterministic else "mamba_ssm_default"
-    b, l, h, hp, g, n = args.shape
     result = {"benchmark": "ssd_chunk_scan", "rival": rival, "environment": environment(),
               "shape": {"b": b, "l": l, "h": h, "p": hp, "g": g, "n": n, "chunk": args.chunk},
               "options": "dt_softplus, D (h), dt_bias; no z, no initial states", "cases": []}

@@ -18,6 +18,36 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def precompile_in_parallel(script: str, argv: list[str], parts: int) -> None:
+    """Run ``script argv --compile-part i/parts`` for i < parts, all at once, and wait for them: each process
+    compiles its slice of the rival's autotuned configurations (:func:`keep_config_slice`) into Triton's
+    on-disk cache, so that the measuring process afterwards finds them compiled. Its autotuner still times
+    every configuration and picks as shipped: only the compiling is spread over processes. Run it before
+    timing anything (those processes run kernels on the GPU too)."""
+    import subprocess
+    import sys
+
+    procs = [subprocess.Popen([sys.executable, script, *argv, "--compile-part", f"{i}/{parts}"])
+             for i in range(parts)]
+    for proc in procs:
+        proc.wait()
+
+
+def keep_config_slice(module_prefix: str, part: str) -> None:
+    """In this process, keep slice i of N (``part`` = "i/N") of the configurations of every Triton autotuner
+    defined in the already imported modules whose names start with ``module_prefix``."""
+    import sys
+
+    from triton.runtime.autotuner import Autotuner
+
+    i, parts = map(int, part.split("/"))
+    tuners = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith(module_prefix)
+              for v in vars(mod).values() if isinstance(v, Autotuner)}   # once each, also when imported elsewhere
+    for tuner in tuners.values():
+        if len(tuner.configs) > 1:
+            tuner.configs = tuner.configs[i::parts] or [tuner.configs[i % len(tuner.configs)]]
+
+
 def profile_table(fn, steps: int = 3, rows: int = 30) -> list[dict]:
     """Where ``fn``'s time goes: torch.profiler over ``steps`` calls (after one warm-up call), one row per
     operator or kernel name, sorted by the device time it took itself (CPU time without a GPU): its name,

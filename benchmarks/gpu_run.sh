@@ -43,7 +43,7 @@ for step in "$@"; do
                # default mode autotunes (many configurations to compile) and gets what time is left
                timeout "${SSD_DET_T:-110}" python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --out "$OUT/ssd_mamba_deterministic.json" \
                  >"$OUT/ssd-bench.log" 2>&1
-               timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
+               timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --precompile-rival "${SSD_JOBS:-12}" --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
                tail -3 "$OUT/ssd-bench.log" ;;
     ssd-sweep) # tile configurations of mambalab's SSD beside mamba-ssm's deterministic mode (pinned: compiles fast)
                timeout "${SSD_SWEEP_T:-300}" python3 benchmarks/bench_ssd.py --reps 3 --sweep --mamba-deterministic \
