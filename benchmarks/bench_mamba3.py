@@ -29,8 +29,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import (distinct_patterns, environment, keep_config_slice, precompile_in_parallel,  # noqa: E402
-                    profile_table, time_ms, write)
+from common import (add_precompile_arguments, distinct_patterns, environment, keep_config_slice,  # noqa: E402
+                    precompile_in_parallel, profile_table, time_ms, write)
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
 
@@ -125,11 +125,9 @@ def main():
                     metavar=("B", "L", "H", "P", "G", "N", "A"))
     ap.add_argument("--reps", type=int, default=5, help="repeated backward passes for the bit-pattern count")
     ap.add_argument("--decode-batch", type=int, default=16)
-    ap.add_argument("--precompile-rival", type=int, default=0, metavar="N",
-                    help="compile mamba-ssm's autotuned kernels in N processes first (its ~190 configurations)")
     ap.add_argument("--profile", action="store_true",
                     help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
-    ap.add_argument("--compile-part", help=argparse.SUPPRESS)   # the job of one precompile process: "i/N"
+    add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mamba3 needs a CUDA GPU")

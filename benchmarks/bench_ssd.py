@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import distinct_patterns, environment, keep_config_slice, precompile_in_parallel, time_ms, write  # noqa: E402,E501
+from common import (add_precompile_arguments, distinct_patterns, environment, keep_config_slice,  # noqa: E402
+                    precompile_in_parallel, time_ms, write)
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -161,9 +162,7 @@ def main():
     p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
     p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
-    p.add_argument("--precompile-rival", type=int, default=0, metavar="N",
-                   help="compile mamba-ssm's autotuned configurations in N processes first (its default mode)")
-    p.add_argument("--compile-part", help=argparse.SUPPRESS)   # the job of one precompile process: "i/N"
+    add_precompile_arguments(p)   # mamba-ssm's default mode autotunes: compile its configurations in parallel first
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")

@@ -18,6 +18,16 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def add_precompile_arguments(parser) -> None:
+    """``--precompile-rival N`` (the user's) and ``--compile-part i/N`` (what :func:`precompile_in_parallel`
+    passes to each of its processes)."""
+    import argparse
+
+    parser.add_argument("--precompile-rival", type=int, default=0, metavar="N",
+                        help="compile mamba-ssm's autotuned configurations in N processes before timing anything")
+    parser.add_argument("--compile-part", help=argparse.SUPPRESS)
+
+
 def precompile_in_parallel(script: str, argv: list[str], parts: int) -> None:
     """Run ``script argv --compile-part i/parts`` for i < parts, all at once, and wait for them: each process
     compiles its slice of the rival's autotuned configurations (:func:`keep_config_slice`) into Triton's
