@@ -173,6 +173,13 @@ def selective_scan_fwd_kernel(
             st = states_ptr + ((pid_b * n_ckpt + ck) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
             tl.store(st, h, mask=mask_dn)
 
+            # Inside the block, step k·CKPT_L - 1 (k = 1, 2, …) ends where checkpoint blk·BLOCK_L/CKPT_L + k
+            # starts: a masked store of each state index's scan writes those steps (no reduction needed).
+            ck_t = ck + (offs_t + 1) // CKPT_L                                                   # (BL,)
+            ckpt_ptrs = states_ptr + ((pid_b * n_ckpt + ck_t[None, :]) * d + offs_d[:, None]).to(tl.int64) * n
+            ckpt_mask = mask_d[:, None] & ((((offs_t + 1) % CKPT_L) == 0) & (offs_t < BLOCK_L - 1)
+                                           & (ck_t < n_ckpt))[None, :]
+
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)  # (BD, BL)
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)    # (BD, BL)
         dtu = dt * uu
@@ -187,12 +194,8 @@ def selective_scan_fwd_kernel(
             a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
             hs = a_cum * _column(h, offs_n, i)[:, None] + b_cum             # (BD, BL): h_t[:, i]
             y += hs * C_i[None, :]
-            if SAVE_STATES:  # states inside the block, every CKPT_L steps
-                for k in tl.static_range(1, BLOCK_L // CKPT_L):
-                    ck = blk * (BLOCK_L // CKPT_L) + k
-                    h_k = tl.sum(tl.where(offs_t[None, :] == k * CKPT_L - 1, hs, 0.0), axis=1)
-                    st_k = states_ptr + ((pid_b * n_ckpt + ck) * d + offs_d).to(tl.int64) * n + i
-                    tl.store(st_k, h_k, mask=mask_d & (ck < n_ckpt))
+            if SAVE_STATES and BLOCK_L > CKPT_L:  # states inside the block: one masked store of the tile
+                tl.store(ckpt_ptrs + i, hs, mask=ckpt_mask)
             # Masked (padding) steps have a = 1, b = 0: the last column is the state after step l - 1.
             last = tl.sum(tl.where(offs_t[None, :] == BLOCK_L - 1, hs, 0.0), axis=1)
             h = tl.where(offs_n[None, :] == i, last[:, None], h)
