@@ -283,8 +283,12 @@ def step_weights(dt, trap):
 
 
 def cumulative_angle(angles, dt, initial_state=None):
-    """θ_t = θ_{-1} + Σ_{s ≤ t} angles_s Δ_s: angles (b, l, h, a), dt (b, l, h) -> (b, l, h, a)."""
-    theta = torch.cumsum(angles * dt[..., None], dim=1)
+    """θ_t = θ_{-1} + Σ_{s ≤ t} angles_s Δ_s: angles (b, l, h, a), dt (b, l, h) -> (b, l, h, a) (a view of a
+    (b, h, a, l) tensor). The sum runs along the innermost axis of a (b, h, a, l) copy: PyTorch's CUDA cumsum
+    along an outer axis walks each column with one thread (1.5 ms per call at b4 l4096 h32 a32 in an H200
+    profile of mamba3_chunk_scan), along the innermost axis it scans in parallel."""
+    steps = (angles * dt[..., None]).permute(0, 2, 3, 1).contiguous()        # (b, h, a, l)
+    theta = torch.cumsum(steps, dim=-1).permute(0, 3, 1, 2)                  # (b, l, h, a)
     return theta if initial_state is None else theta + initial_state.angle[:, None]
 
 
