@@ -5,7 +5,7 @@ each length and dtype, counts distinct gradient bit patterns over repeated backw
 records the largest differences between the two. Writes JSON (ratios are mambalab / mamba-ssm).
 
     python benchmarks/bench_selective_scan.py --out benchmarks/results/selective_scan_h200.json \
-        [--mamba-sdist path/to/mamba_ssm-2.3.2.post1.tar.gz] [--sweep]
+        [--mamba-sdist path/to/mamba_ssm-2.3.2.post1.tar.gz] [--sweep] [--profile]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import distinct_patterns, environment, time_ms, write  # noqa: E402
+from common import distinct_patterns, environment, profile_table, time_ms, write  # noqa: E402
 
 NAMES = ("u", "delta", "A", "B", "C", "D", "z", "delta_bias")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -52,7 +52,8 @@ def compare(name, fn, x, dout, reps):
 
 
 def sweep(x, dout, rival=None):
-    """Time forward and backward tiles separately (for choosing the rule), beside the rival in the same run."""
+    """Time the forward and backward kernels of a few tile configurations separately (for choosing the rule),
+    beside the rival in the same run."""
     from mambalab.kernels import selective_scan as k
 
     u, delta, A, B, C, D, z, bias = (x[n] for n in NAMES)
@@ -61,29 +62,20 @@ def sweep(x, dout, rival=None):
     if rival is not None:
         rows.append({"rival": "mamba_ssm_cuda", "fwd_ms": time_ms(lambda: step(rival, x, dout, backward=False)),
                      "fwd_bwd_ms": time_ms(lambda: step(rival, x, dout))})
-    base = k.tile_config(u.shape[1], A.shape[1], u.shape[2])
-    _, _, states, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=base)
-    for bd in (1, 2):
-        for bl in (256, 512, 1024):
-            for nw in (1, 2):
-                cfg = k.TileConfig(bd, 16, bl, nw, base.bwd_block_d, base.bwd_block_l, base.bwd_num_warps)
-                try:
-                    fwd = time_ms(lambda: k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg),
-                                  warmup=2, rep=10)
-                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "fwd_ms": fwd})
-                except Exception as err:  # a config that does not compile is recorded, not fatal
-                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
-    for bd in (2, 4, 8):
-        for bl in (64, 128):
-            for nw in (1,):
-                cfg = k.TileConfig(base.block_d, 16, 1024, base.num_warps, bd, bl, nw)
-                try:
-                    _, _, st, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
-                    bwd = time_ms(lambda: k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, st, cfg),
-                                  warmup=2, rep=10)
-                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "bwd_ms": bwd})
-                except Exception as err:
-                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
+    base = k.tile_config(u.shape[1], A.shape[1], u.shape[2], u.dtype)
+    # (channels a program, warps, forward steps a thread, backward steps a thread)
+    for block_d, warps, sub_l, bwd_sub_l in ((32, 1, 8, 4), (32, 1, 4, 4), (32, 1, 8, 2), (64, 2, 8, 4)):
+        cfg = k.TileConfig(block_d, base.block_n, sub_l, base.ckpt_l, warps, bwd_sub_l)
+        row = {"block_d": block_d, "num_warps": warps, "sub_l": sub_l, "bwd_sub_l": bwd_sub_l}
+        try:
+            row["fwd_ms"] = time_ms(lambda: k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg),
+                                    warmup=2, rep=10)
+            _, _, st, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
+            row["bwd_ms"] = time_ms(lambda: k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, st, cfg),
+                                    warmup=2, rep=10)
+        except Exception as err:  # a config that does not compile is recorded, not fatal
+            row["error"] = repr(err)[:200]
+        rows.append(row)
     return rows
 
 
@@ -99,6 +91,8 @@ def main():
     p.add_argument("--mamba-sdist", help="compile mamba-ssm's CUDA extension from this sdist first")
     p.add_argument("--mamba-build-dir", help="where that extension is (or was already) built")
     p.add_argument("--sweep", action="store_true", help="also time tile configurations (l=2048, bf16)")
+    p.add_argument("--profile", action="store_true",
+                   help="also record where forward+backward's device time goes (l=2048, bf16, torch.profiler)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("this benchmark needs a CUDA GPU")
@@ -132,7 +126,14 @@ def main():
                 case["ratio_fwd_bwd"] = m["fwd_bwd_ms"] / r["fwd_bwd_ms"]
             print(case, flush=True)
             result["cases"].append(case)
+            write(args.out, result)   # after every case, so a run cut short keeps what it measured
             del x, dout
+    if args.profile:
+        x = make(args.batch, args.channels, args.state, 2048, torch.bfloat16)
+        dout = torch.randn(args.batch, args.channels, 2048, device="cuda", dtype=torch.bfloat16)
+        result["profile_l2048_bf16"] = {"mambalab": profile_table(lambda: step(selective_scan, x, dout))}
+        if rival is not None:
+            result["profile_l2048_bf16"]["mamba_ssm_cuda"] = profile_table(lambda: step(rival, x, dout))
     if args.sweep:
         x = make(args.batch, args.channels, args.state, 2048, torch.bfloat16)
         dout = torch.randn(args.batch, args.channels, 2048, device="cuda", dtype=torch.bfloat16)
