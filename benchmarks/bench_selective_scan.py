@@ -52,8 +52,7 @@ def compare(name, fn, x, dout, reps):
 
 
 def sweep(x, dout, rival=None):
-    """Time the forward and backward kernels of a few tile configurations separately (for choosing the rule),
-    beside the rival in the same run."""
+    """Time forward and backward tiles separately (for choosing the rule), beside the rival in the same run."""
     from mambalab.kernels import selective_scan as k
 
     u, delta, A, B, C, D, z, bias = (x[n] for n in NAMES)
@@ -62,20 +61,29 @@ def sweep(x, dout, rival=None):
     if rival is not None:
         rows.append({"rival": "mamba_ssm_cuda", "fwd_ms": time_ms(lambda: step(rival, x, dout, backward=False)),
                      "fwd_bwd_ms": time_ms(lambda: step(rival, x, dout))})
-    base = k.tile_config(u.shape[1], A.shape[1], u.shape[2], u.dtype)
-    # (channels a program, warps, forward steps a thread, backward steps a thread)
-    for block_d, warps, sub_l, bwd_sub_l in ((32, 1, 8, 4), (32, 1, 4, 4), (32, 1, 8, 2), (64, 2, 8, 4)):
-        cfg = k.TileConfig(block_d, base.block_n, sub_l, base.ckpt_l, warps, bwd_sub_l)
-        row = {"block_d": block_d, "num_warps": warps, "sub_l": sub_l, "bwd_sub_l": bwd_sub_l}
-        try:
-            row["fwd_ms"] = time_ms(lambda: k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg),
-                                    warmup=2, rep=10)
-            _, _, st, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
-            row["bwd_ms"] = time_ms(lambda: k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, st, cfg),
-                                    warmup=2, rep=10)
-        except Exception as err:  # a config that does not compile is recorded, not fatal
-            row["error"] = repr(err)[:200]
-        rows.append(row)
+    base = k.tile_config(u.shape[1], A.shape[1], u.shape[2])
+    _, _, states, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=base)
+    for bd in (1, 2):
+        for bl in (256, 512, 1024):
+            for nw in (1, 2):
+                cfg = k.TileConfig(bd, 16, bl, nw, base.bwd_block_d, base.bwd_block_l, base.bwd_num_warps)
+                try:
+                    fwd = time_ms(lambda: k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg),
+                                  warmup=2, rep=10)
+                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "fwd_ms": fwd})
+                except Exception as err:  # a config that does not compile is recorded, not fatal
+                    rows.append({"part": "fwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
+    for bd in (2, 4, 8):
+        for bl in (64, 128):
+            for nw in (1,):
+                cfg = k.TileConfig(base.block_d, 16, 1024, base.num_warps, bd, bl, nw)
+                try:
+                    _, _, st, _ = k.selective_scan_fwd(u, delta, A, B4, C4, D, z, bias, True, cfg=cfg)
+                    bwd = time_ms(lambda: k.selective_scan_bwd(dout, u, delta, A, B4, C4, D, z, bias, True, st, cfg),
+                                  warmup=2, rep=10)
+                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "bwd_ms": bwd})
+                except Exception as err:
+                    rows.append({"part": "bwd", "block_d": bd, "block_l": bl, "num_warps": nw, "error": repr(err)[:200]})
     return rows
 
 

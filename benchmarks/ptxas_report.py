@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 
 os.environ["TRITON_INTERPRET"] = "0"  # compile for real, even on a machine without a GPU
-import torch  # noqa: E402
 import triton  # noqa: E402  (must precede mambalab, which would otherwise switch the interpreter on)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
@@ -68,19 +67,20 @@ def main():
     p.add_argument("--arch", type=int, default=90)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     args = p.parse_args()
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    rule = kernels.tile_config(2048, 16, 8192, dtype)
-    common = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=rule.block_n, CKPT_L=rule.ckpt_l)
-    rows = [("forward, the rule", kernels.selective_scan_fwd_kernel, rule.block_d, rule.sub_l, rule.num_warps),
-            ("backward, the rule", kernels.selective_scan_bwd_kernel, rule.block_d, rule.bwd_sub_l, rule.num_warps),
-            ("backward, 8 steps", kernels.selective_scan_bwd_kernel, rule.block_d, 8, rule.num_warps)]
+    rule = kernels.tile_config(2048, 16, 8192)
+    common = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=rule.block_n)
+    rows = [("forward, the rule", kernels.selective_scan_fwd_kernel, rule.block_d, rule.block_l, rule.num_warps),
+            ("forward, 1 channel", kernels.selective_scan_fwd_kernel, 1, rule.block_l, rule.num_warps),
+            ("backward, the rule", kernels.selective_scan_bwd_kernel, rule.bwd_block_d, rule.bwd_block_l,
+             rule.bwd_num_warps),
+            ("backward, 2 channels", kernels.selective_scan_bwd_kernel, 2, rule.bwd_block_l, rule.bwd_num_warps)]
     print(f"selective scan, d/g=2048, n=16, {args.dtype}, sm_{args.arch}")
-    for name, fn, block_d, sub_l, warps in rows:
-        consts = dict(common, BLOCK_D=block_d, SUB_L=sub_l)
+    for name, fn, block_d, block_l, warps in rows:
+        consts = dict(common, BLOCK_D=block_d, BLOCK_L=block_l)
         if fn is kernels.selective_scan_fwd_kernel:
-            consts.update(SAVE_STATES=True)
+            consts.update(CKPT_L=rule.bwd_block_l, SAVE_STATES=True)
         usage = ptxas_usage(compile_ptx(fn, consts, warps, args.arch, args.dtype), args.arch)
-        print(f"  {name:22s} BLOCK_D={block_d} SUB_L={sub_l} warps={warps}: {usage}")
+        print(f"  {name:22s} BLOCK_D={block_d} BLOCK_L={block_l:4d} warps={warps}: {usage}")
 
 
 if __name__ == "__main__":

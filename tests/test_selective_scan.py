@@ -128,39 +128,34 @@ def test_batch_invariance():
 
 
 def test_tile_rule():
-    # one channel a thread: 32 a program, or the largest power of two dividing a group's channels
-    assert kernels.tile_config(6, 16, 100).block_d == 2
-    assert kernels.tile_config(3, 5, 100).block_d == 1
-    assert kernels.tile_config(64, 16, 100).block_d == 32
+    assert kernels.tile_config(6, 16, 100).bwd_block_d == 2      # divides the 6 channels of a group
+    assert kernels.tile_config(3, 5, 100).block_d == kernels.tile_config(3, 5, 100).bwd_block_d == 1
+    assert kernels.tile_config(64, 16, 100).block_d == 2
     assert kernels.tile_config(3, 5, 100).block_n == 8
-    # 16 bytes of input per thread in the forward, 4 steps in the backward; a state kept every 128 steps
-    big = kernels.tile_config(2048, 16, 8192, torch.bfloat16)
-    assert (big.block_d, big.sub_l, big.bwd_sub_l, big.ckpt_l, big.num_warps) == (32, 8, 4, 128, 1)
-    assert (kernels.tile_config(2048, 16, 8192).sub_l, kernels.tile_config(2048, 16, 8192).bwd_sub_l) == (4, 4)
-    assert kernels.tile_config(2048, 16, 20).ckpt_l == 32       # short sequences keep fewer steps per segment
-    assert kernels.tile_config(2048, 16, 1, torch.float16).ckpt_l == 8
+    big = kernels.tile_config(2048, 16, 8192)
+    assert (big.block_d, big.block_l, big.bwd_block_d, big.bwd_block_l) == (2, 512, 4, 128)
+    short = kernels.tile_config(2048, 16, 20)                    # short sequences get short blocks
+    assert (short.block_l, short.bwd_block_l) == (32, 32)
+    assert kernels.tile_config(2048, 16, 1).block_l == 16
     for l in (1, 17, 100, 300, 1000, 5000):
-        for dtype in (torch.float32, torch.bfloat16):
-            cfg = kernels.tile_config(1024, 16, l, dtype)
-            assert cfg.ckpt_l % cfg.sub_l == 0 and cfg.ckpt_l % cfg.bwd_sub_l == 0
-    with pytest.raises(ValueError, match="multiple of sub_l"):
-        kernels.TileConfig(32, 16, 8, 20, 1, 4)
-    with pytest.raises(ValueError, match="more channels than threads"):
-        kernels.TileConfig(64, 16, 8, 128, 1, 4)
+        cfg = kernels.tile_config(1024, 16, l)
+        assert cfg.block_l % cfg.bwd_block_l == 0
+    with pytest.raises(ValueError, match="multiple of bwd_block_l"):
+        kernels.TileConfig(1, 16, 48, 1, 1, 32, 1)
 
 
-@pytest.mark.parametrize("block_d, sub_l, bwd_sub_l, ckpt_l", [
-    (1, 4, 4, 4), (2, 8, 4, 16), (4, 4, 2, 32), (2, 2, 8, 8)])
-def test_state_carried_across_many_blocks(block_d, sub_l, bwd_sub_l, ckpt_l):
-    """Small tiles force many sub-blocks and segments: the forward carries the state (and saves it every
-    ckpt_l steps), the backward recomputes each segment's sub-block states and carries the adjoint."""
+@pytest.mark.parametrize("block_d, block_l, bwd_block_d, bwd_block_l", [
+    (1, 16, 1, 16), (2, 32, 2, 16), (4, 64, 4, 16), (2, 32, 4, 32)])
+def test_state_carried_across_many_blocks(block_d, block_l, bwd_block_d, bwd_block_l):
+    """Small tiles force many sequence blocks: the forward carries the state (and saves it every
+    bwd_block_l steps, also inside its own blocks), the backward carries the adjoint."""
     b, d, n, l, g = 2, 8, 4, 75, 2
     x = make_inputs(b, d, n, l, g)
     dout = torch.randn(b, d, l, generator=torch.Generator().manual_seed(6)).to(KERNEL_DEVICE)
-    cfg = kernels.TileConfig(block_d, 4, sub_l, ckpt_l, 1, bwd_sub_l)
+    cfg = kernels.TileConfig(block_d, 4, block_l, 2, bwd_block_d, bwd_block_l, 2)
     out, last, states, cfg = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                                         x["delta_bias"], True, cfg=cfg)
-    assert states.shape[1] == -(-l // ckpt_l)
+    assert states.shape[1] == -(-l // bwd_block_l)
     grads = kernels.selective_scan_bwd(dout, x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                        x["delta_bias"], True, states, cfg)
     cpu = {k: v.cpu() for k, v in x.items()}
