@@ -32,6 +32,34 @@ from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p
 
 
 @triton.jit
+def _positions(pid_b, pid_c, start, l, Q: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T positions of chunk pid_c from ``start``: (offsets in the chunk, mask of those before l, their
+    row in the flattened (b·l) axis as int64)."""
+    offs = start + tl.arange(0, BLOCK_T)
+    return offs, pid_c * Q + offs < l, (pid_b * l + pid_c * Q + offs).to(tl.int64)
+
+
+@triton.jit
+def _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM: tl.constexpr):
+    """D of this head in fp32: a (1, BLOCK_P) row when per head dimension, else a scalar."""
+    if D_PER_DIM:
+        Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
+    else:
+        Dv = tl.load(D_ptr + head).to(tl.float32)
+    return Dv
+
+
+@triton.jit
+def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
+    """dY = dout ⊙ silu(z) (or dout) at ``ptrs``, fp32."""
+    dY = tl.load(dout_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_Z:
+        zz = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
+        dY = dY * zz * tl.sigmoid(zz)
+    return dY
+
+
+@triton.jit
 def chunk_scan_fwd_kernel(
     x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
@@ -84,9 +112,7 @@ def chunk_scan_fwd_kernel(
 
     # Inside the chunk: Σ_{s ≤ t} exp(cs_t - cs_s) (C_t · B_s) Δ_s x_s, over blocks of s up to the diagonal.
     for s0 in range(0, (tblk + 1) * BLOCK_T, BLOCK_T):
-        offs_s = s0 + tl.arange(0, BLOCK_T)
-        mask_s = pid_c * Q + offs_s < l
-        row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+        offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
         B_rows = (row_s[:, None] * g + group) * n                                    # (BLOCK_T, 1)
         cb = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
         for k0 in range(0, n, BLOCK_K):
@@ -109,10 +135,7 @@ def chunk_scan_fwd_kernel(
     x_ptrs = (row_t[:, None] * h + head) * p + offs_p[None, :]                       # (BLOCK_T, BLOCK_P)
     x = tl.load(x_ptr + x_ptrs, mask=mask_tp, other=0.0)
     if HAS_D:
-        if D_PER_DIM:
-            Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
-        else:
-            Dv = tl.load(D_ptr + head).to(tl.float32)
+        Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x.to(tl.float32) * Dv
     if HAS_Z:
         zz = tl.load(z_ptr + x_ptrs, mask=mask_tp, other=0.0).to(tl.float32)
@@ -197,31 +220,16 @@ def chunk_scan_bwd_dstates_kernel(
     chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
     acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
     for t0 in range(0, Q, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = pid_c * Q + offs_t < l
-        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+        offs_t, mask_t, row_t = _positions(pid_b, pid_c, t0, l, Q, BLOCK_T)
         tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
         mask_tp = mask_t[:, None] & mask_p[None, :]
-        dY = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-        if HAS_Z:
-            zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-            dY = dY * zz * tl.sigmoid(zz)
+        dY = _gated_grad(dout_ptr, z_ptr, tp, mask_tp, HAS_Z)
         Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         dYe = (dY * tl.exp(tl.load(cs_ptr + chunk + offs_t))[:, None]).to(dot_ty)
         acc += tl.dot(tl.trans(dYe), Ct.to(dot_ty), input_precision=DOT_PRECISION)
     out = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
     tl.store(dH_ptr + out, acc, mask=mask_p[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
-    """dY = dout ⊙ silu(z) (or dout) at ``ptrs``, fp32."""
-    dY = tl.load(dout_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_Z:
-        zz = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
-        dY = dY * zz * tl.sigmoid(zz)
-    return dY
 
 
 @triton.jit
@@ -264,9 +272,7 @@ def chunk_scan_bwd_rows_kernel(
     pid_b, pid_c, head, t0, group, offs_p, offs_n, mask_p, mask_n, chunk = _block_program(
         h, p, n, g, c, Q, BLOCK_T, BLOCK_P, BLOCK_N)
     dot_ty = x_ptr.dtype.element_ty
-    offs_t = t0 + tl.arange(0, BLOCK_T)
-    mask_t = pid_c * Q + offs_t < l
-    row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+    offs_t, mask_t, row_t = _positions(pid_b, pid_c, t0, l, Q, BLOCK_T)
     tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
     mask_tp = mask_t[:, None] & mask_p[None, :]
     mask_tn = mask_t[:, None] & mask_n[None, :]
@@ -289,9 +295,7 @@ def chunk_scan_bwd_rows_kernel(
     dC = e_t[:, None] * tl.dot(dY_dot, Hc, input_precision=DOT_PRECISION)           # (BT, BN)
     # the diagonal: columns s ≤ t
     for s0 in range(0, t0 + BLOCK_T, BLOCK_T):
-        offs_s = s0 + tl.arange(0, BLOCK_T)
-        mask_s = pid_c * Q + offs_s < l
-        row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+        offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
         Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
         xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
@@ -315,10 +319,7 @@ def chunk_scan_bwd_rows_kernel(
     if HAS_D or HAS_Z:
         x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
     if HAS_D:
-        if D_PER_DIM:
-            Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
-        else:
-            Dv = tl.load(D_ptr + head).to(tl.float32)
+        Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x_t * Dv
         slot = (head * n_blocks_total + (pid_b * c + pid_c) * (Q // BLOCK_T) + t0 // BLOCK_T).to(tl.int64)
         if D_PER_DIM:
@@ -365,9 +366,7 @@ def chunk_scan_bwd_columns_kernel(
         h, p, n, g, c, Q, BLOCK_T, BLOCK_P, BLOCK_N)
     dot_ty = x_ptr.dtype.element_ty
     cs_last = tl.load(cs_ptr + chunk + Q - 1)
-    offs_s = s0 + tl.arange(0, BLOCK_T)
-    mask_s = pid_c * Q + offs_s < l
-    row_s = (pid_b * l + pid_c * Q + offs_s).to(tl.int64)
+    offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
     sp = (row_s[:, None] * h + head) * p + offs_p[None, :]
     mask_sp = mask_s[:, None] & mask_p[None, :]
     mask_sn = mask_s[:, None] & mask_n[None, :]
@@ -389,9 +388,7 @@ def chunk_scan_bwd_columns_kernel(
     dcs_col = tl.zeros((BLOCK_T,), dtype=tl.float32)
     # the diagonal: rows t ≥ s
     for t0 in range(s0, Q, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T)
-        mask_t = pid_c * Q + offs_t < l
-        row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)
+        offs_t, mask_t, row_t = _positions(pid_b, pid_c, t0, l, Q, BLOCK_T)
         tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
         dY = _gated_grad(dout_ptr, z_ptr, tp, mask_t[:, None] & mask_p[None, :], HAS_Z).to(dot_ty)
         Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
@@ -407,10 +404,7 @@ def chunk_scan_bwd_columns_kernel(
         ddelta += tl.sum(G, axis=0)                                                    # (BT,) per column s
         dcs_col -= delta_s * tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], G, 0.0), axis=0)
     if HAS_D:
-        if D_PER_DIM:
-            Dv = tl.load(D_ptr + head * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)[None, :]
-        else:
-            Dv = tl.load(D_ptr + head).to(tl.float32)
+        Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
     tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
     if REDUCE_ATOMIC:
