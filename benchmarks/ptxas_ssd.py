@@ -3,8 +3,9 @@ forward and backward, for a GPU architecture, on a machine without a GPU.
 
 Step 1 (a child process, Triton's interpreter on): runs ``ssd_chunk_scan`` forward and backward at the
 benchmark's head shape (h, p, n, chunk) on a short CPU sequence with every launch *recorded instead of run*:
-which kernel, its constexpr values, the dtypes of its pointer arguments and num_warps. Tiles come from the
-shape rule alone, so a short sequence compiles the same kernels as a long one.
+which kernel, its constexpr values, the dtypes of its pointer arguments, num_warps, and which arguments a
+launch would mark divisible by 16 (aligned pointers, integers divisible by 16). Tiles come from the shape
+rule alone, so a short sequence compiles the same kernels as a long one.
 Step 2 (this process, interpreter off): compiles each recorded launch with Triton's compiler for the target
 and runs the ptxas shipped with Triton in verbose mode.
 
@@ -35,17 +36,21 @@ def record(dtype: str, h: int, p: int, n: int, chunk: int, reduction: str, op: s
         bound = dict(zip(self.arg_names, args)) | {k: v for k, v in kwargs.items() if k in sig.parameters}
         entry = {"module": self.fn.__module__, "name": self.fn.__name__, "num_warps": kwargs.get("num_warps", 4),
                  "num_stages": kwargs.get("num_stages", 3),
-                 "constexprs": {}, "types": {}}
+                 "constexprs": {}, "types": {}, "divisible": []}
         for name, param in sig.parameters.items():
             value = bound.get(name, param.default)
             if "constexpr" in str(param.annotation):
                 entry["constexprs"][name] = value
             elif isinstance(value, torch.Tensor):
+                if value.data_ptr() % 16 == 0:   # as Triton's launcher: a 16-byte aligned pointer
+                    entry["divisible"].append(name)
                 entry["types"][name] = "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                                               torch.int32: "i32", torch.int64: "i64"}[value.dtype]
             elif isinstance(value, bool):
                 entry["types"][name] = "i1"
             elif isinstance(value, int):
+                if value % 16 == 0:              # as Triton's launcher: an integer divisible by 16
+                    entry["divisible"].append(name)
                 entry["types"][name] = "i32"
             elif isinstance(value, float):
                 entry["types"][name] = "fp32"
@@ -120,7 +125,9 @@ def main():
         fn = getattr(importlib.import_module(entry["module"]), entry["name"])
         params = list(inspect.signature(fn.fn).parameters)
         signature = {q: ("constexpr" if q in entry["constexprs"] else entry["types"][q]) for q in params}
-        src = triton.compiler.ASTSource(fn=fn, signature=signature,
+        # the launcher's specialisation: without it the compiler cannot vectorise and picks other layouts
+        attrs = {(params.index(q),): [["tt.divisibility", 16]] for q in entry["divisible"]}
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, attrs=attrs,
                                         constexprs={(params.index(k),): v for k, v in entry["constexprs"].items()})
         start = time.perf_counter()
         kernel = triton.compile(src, target=GPUTarget("cuda", args.arch, 32),

@@ -21,8 +21,9 @@ The sums over positions for dW^O and dW^Z are per-program partials folded by
 
 Tile rule (shape only): programs are (block of BLOCK_T = 32 positions of the flattened b·l axis, head), each
 with the whole head dimension (BLOCK_P = next_pow2(p)); 8 warps from r = 4 on (the loop over ranks is
-unrolled: at r = 4, p = 64 with 4 warps the forward spilled 76 B and the backward 736 B on sm_90, with 8 none;
-benchmarks/ptxas_ssd.py --op mamba3 --rank 4), else 4.
+unrolled: at r = 4, p = 64 with 4 warps the backward spills 36 B on sm_90 and takes 255 registers a thread,
+with 8 none; benchmarks/ptxas_ssd.py --op mamba3 --rank 4, which compiles as a launch would, pointers and
+sizes marked divisible by 16), else 4.
 
 Shapes: y (T, r, h, p) (the rank-expanded SSD output, T = b·l); v, z, out (T, h, p); M (T, h, r, p) or
 (T, h, 1) fp32; W^Z, W^O (h, r, p) fp32.

@@ -21,7 +21,9 @@ Tile rule (shape only): BLOCK_T = 32 positions of the flattened (b·l) axis per 
 next_pow2(n / 2) pairs; rows of n are read and written whole (contiguous, vectorised) and split into their
 pairs in registers (the earlier pair-strided version took 1.1 ms per call at b4 l4096 h32 n128 in an H200
 profile); forward programs are (position block, head), backward programs (position block, group), the
-backward with 8 warps from r = 4 on (4 spilled 120 B at r = 4, n = 128 on sm_90), else 4.
+backward with 8 warps from r = 4 on, else 4. (8 was chosen when the pair-strided version spilled at 4. The
+row version, compiled for sm_90 at r = 4, n = 128, spills nothing at 4 warps and 176 B at 8, the figure
+benchmarks/ptxas_ssd.py --op mamba3 --rank 4 reports: the rule is to re-time on a GPU.)
 
 Shapes: x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> out (b, l, r, h, n).
 """

@@ -61,9 +61,9 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
     * warps: 4 a program, except bf16/fp16 forward and other backward kernels with a large state tile
-      (BLOCK_P · BLOCK_N >= 64 · 64): 8. With 4 warps those spill (656 B in the bf16 chunk-scan forward,
-      benchmarks/ptxas_ssd.py for sm_90) and the bf16 forward took 0.49 rather than 0.45 ms; in fp32 (TF32
-      dots) 4 warps were faster (0.96 against 1.19 ms forward).
+      (BLOCK_P · BLOCK_N >= 64 · 64): 8. With 4 warps the bf16 forward took 0.49 rather than 0.45 ms (it
+      uses 221 registers a thread there against 121 with 8, no spills either way: benchmarks/ptxas_ssd.py
+      for sm_90); in fp32 (TF32 dots) 4 warps were faster (0.96 against 1.19 ms forward).
     * chunk-scan backward: min(64, q) positions a program and 4 warps for bf16/fp16; min(32, q) and 4 warps
       for fp32 (whose 64-position tiles need 2 × the shared memory and were slower).
 
@@ -72,8 +72,8 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     1.63 ms in bf16 at (64 positions, 4 warps) against 2.77 ms at the previous rule's (32, 8), 2.11 at
     (64, 8), 1.80 at (32, 4), 2.63 at (16, 4); in fp32 3.24 ms at (32, 4), 4.69 at (32, 8), 4.89 at (64, 4).
     Register use is at or near 255 a thread in every variant, so an SM runs 8 warps either way; what
-    changes is how many positions each program's dots cover. The chosen bf16 backward spills (0.7 KiB in
-    the rows kernel, 2 KiB in the columns kernel, benchmarks/ptxas_ssd.py) and was still the fastest.
+    changes is how many positions each program's dots cover. The chosen bf16 backward spills (72 B in the
+    rows kernel, 776 B in the columns kernel, benchmarks/ptxas_ssd.py) and was still the fastest.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
