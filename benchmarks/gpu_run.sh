@@ -30,13 +30,19 @@ ext_ready() { [ -n "$build_pid" ] && wait "$build_pid" 2>/dev/null; export PYTHO
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py tests/test_mamba1.py 2>&1 | tail -8
+    # Each step logs to $OUT/<step>.log as it goes, so a run cut short still says how far it got (a step
+    # piped through `tail` keeps nothing when it is killed).
+    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py tests/test_mamba1.py \
+             >"$OUT/tests.log" 2>&1
            ext_ready
-           python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py -k cuda_kernel 2>&1 | tail -3 ;;
-    notebooks) ext_ready; timeout 400 python3 -m mambalab workbook --output-dir "$OUT/wb" 2>&1 | tail -15 ;;
-    bench) ext_ready; python3 benchmarks/bench_selective_scan.py --sweep --out "$OUT/selective_scan.json" 2>&1 | tail -12 ;;
-    bench-nosweep) ext_ready; python3 benchmarks/bench_selective_scan.py --out "$OUT/selective_scan.json" 2>&1 | tail -6 ;;
-    # Each step below logs to $OUT/<step>.log as it goes, so a run cut short still says how far it got.
+           python3 -m pytest -q -p no:cacheprovider tests/test_selective_scan.py -k cuda_kernel >>"$OUT/tests.log" 2>&1
+           tail -4 "$OUT/tests.log" ;;
+    notebooks) ext_ready; timeout 400 python3 -m mambalab workbook --output-dir "$OUT/wb" >"$OUT/notebooks.log" 2>&1
+               tail -15 "$OUT/notebooks.log" ;;
+    bench) ext_ready; python3 benchmarks/bench_selective_scan.py --sweep --profile --out "$OUT/selective_scan.json" \
+             >"$OUT/bench.log" 2>&1; tail -12 "$OUT/bench.log" ;;
+    bench-nosweep) ext_ready; python3 benchmarks/bench_selective_scan.py --profile --out "$OUT/selective_scan.json" \
+                     >"$OUT/bench-nosweep.log" 2>&1; tail -6 "$OUT/bench-nosweep.log" ;;
     ssd-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba2" tests/test_ssd_kernels.py tests/test_ssd_backward.py \
                  tests/test_ssd_ref.py tests/test_mamba2.py >"$OUT/ssd-tests.log" 2>&1; tail -5 "$OUT/ssd-tests.log" ;;
     ssd-bench) # mamba-ssm's deterministic mode first: one pinned configuration each, so it compiles fast; its
