@@ -5,11 +5,13 @@ expected: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong sh
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+T = TypeVar("T")
 
 
 def tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
@@ -64,3 +66,31 @@ def positive_int(name: str, value, *, power_of_two: bool = False) -> int:
     if power_of_two and value & (value - 1):
         raise ValueError(f"{name} must be a power of two; got {value}")
     return value
+
+
+class SignatureCache:
+    """Remembers the argument signatures a metadata-only check accepted, so that a loop calling an op with
+    same-shaped inputs (a decoding step per token) runs the check once rather than every call.
+
+    A signature is the shape, dtype and device of each tensor (None for an absent one); a check whose
+    outcome depends on nothing else gives the same answer for the same signature, so skipping it loses no
+    error. Checks that read values (:func:`finite`) must not be cached. At most ``size`` signatures are kept.
+    """
+
+    def __init__(self, size: int = 64):
+        self._size = size
+        self._seen: dict[tuple, object] = {}
+
+    def check(self, tensors: Iterable, run: Callable[[], T]) -> T:
+        """``run()``'s result for these tensors' signature: computed on the first call with that signature
+        (raising as ``run`` raises), remembered after."""
+        try:
+            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+        except AttributeError:   # not all tensors: the check will say which
+            return run()
+        if key not in self._seen:
+            result = run()
+            if len(self._seen) >= self._size:
+                self._seen.clear()
+            self._seen[key] = result
+        return self._seen[key]

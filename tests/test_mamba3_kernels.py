@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (rank_cumsum_bwd, rank_cumsum_fwd, rank_outputs_bwd, rank_outputs_fwd,
                                      rotary_bwd, rotary_fwd)
+from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, expand_ranks, mamba3_chunked, mamba3_step_ref,
                                  rank_outputs, zero_state)
@@ -225,10 +226,36 @@ def test_bad_input_is_named_before_launch():
     state = zero_state(1, 2, 16, 16, 2, 2, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"q must have shape \(b, r, g, n\)"):
         mamba3_step(state, **{**tok, "q": inp["q"]})
+    with pytest.raises(TypeError, match="state must be a Mamba3State"):
+        mamba3_step(tuple(state), **tok)
     dev = {k: (t.to(KERNEL_DEVICE) if t is not None else None) for k, t in tok.items()}
     with pytest.raises(NotImplementedError, match="no_grad"):
         mamba3_step(Mamba3State(*(t.to(KERNEL_DEVICE) for t in state)),
                     **{**dev, "v": dev["v"].clone().requires_grad_(True)})
+
+
+def test_step_checks_once_per_signature_and_never_skips_a_new_one(monkeypatch):
+    """The decode step validates a signature (shapes, dtypes, devices) once; a call with any other signature
+    is checked again, so a bad input after many good steps still gets its named error before a launch."""
+    import mambalab.ops.mamba3 as ops_mamba3
+
+    calls = []
+    real_check = ops_mamba3._check
+    monkeypatch.setattr(ops_mamba3, "_check", lambda *a, **k: calls.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(ops_mamba3, "_STEP_CHECKS", validate.SignatureCache())
+    inp = make_mamba3_inputs(1, 1, 2, 16, 1, 16, 2, 2, dtype=torch.float32)
+    tok = {k: (t[:, 0].to(KERNEL_DEVICE) if k in SEQUENCE and t is not None else
+               None if t is None else t.to(KERNEL_DEVICE)) for k, t in inp.items() if k != "initial_state"}
+    state = zero_state(1, 2, 16, 16, 2, 2, torch.float32, KERNEL_DEVICE)
+    with torch.no_grad():
+        for _ in range(3):
+            out, state = mamba3_step(state, **tok)
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match=r"adt must have shape \(b, h\) = \(1, 1\); got \(1, 2\)"):
+        mamba3_step(state, **{**tok, "v": tok["v"][:, :1]})   # v sets h = 1; adt has 2 heads
+    with pytest.raises(TypeError, match="angles must have dtype"):
+        mamba3_step(state, **{**tok, "angles": tok["angles"].to(torch.int32)})
+    assert len(calls) == 3
 
 
 # ---------------------------------------------------------------------------------------------- GPU only

@@ -27,6 +27,7 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, corr
                                  cumulative_angle, entering_state, rank_inputs, step_weights, within_step_scores)
 
 REDUCTIONS = (None, "atomic", "deterministic")
+_STEP_CHECKS = validate.SignatureCache()
 _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
           "mimo_o")
 
@@ -198,8 +199,13 @@ def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z
     state in fp32). Forward only: raises NotImplementedError when autograd would need a graph.
     """
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
-    _check(args, state, per_token=True)
-    tensors = [t for t in (*args, *state) if t is not None]
+    if not isinstance(state, Mamba3State):
+        raise TypeError(f"state must be a Mamba3State (angle, ssm, k, v); got {type(state).__name__} "
+                        "(mambalab.ref.mamba3.zero_state makes an empty one)")
+    fields = tuple(state)
+    # the checks read only shapes, dtypes and devices: once per signature, not once per decoded token
+    _STEP_CHECKS.check((*args, *fields), lambda: _check(args, state, per_token=True))
+    tensors = [t for t in (*args, *fields) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise NotImplementedError("mamba3_step is a decoding kernel without a backward and an input requires "
                                   "grad: call it under torch.no_grad(), or use mamba3_chunk_scan for gradients")
