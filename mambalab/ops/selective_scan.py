@@ -62,9 +62,9 @@ class SelectiveScanFn(torch.autograd.Function):
         C_ = prep(C.unsqueeze(1) if squeeze_group else C)
         A_, D_, bias_ = A.float().contiguous(), prep(D), prep(delta_bias)
         needs_grad = any(ctx.needs_input_grad[:8])
-        out, last_state, states, cfg = _kernels.selective_scan_fwd(
+        out, last_state, saved, cfg = _kernels.selective_scan_fwd(
             u_, delta_, A_, B_, C_, D_, z_, bias_, delta_softplus, save_states=needs_grad)
-        ctx.save_for_backward(u_, delta_, A_, B_, C_, D_, z_, bias_, states)
+        ctx.save_for_backward(u_, delta_, A_, B_, C_, D_, z_, bias_, *(saved or (None, None)))
         ctx.cfg, ctx.softplus, ctx.squeeze_group = cfg, delta_softplus, squeeze_group
         ctx.dtypes = [x.dtype if x is not None else None for x in (u, delta, A, B, C, D, z, delta_bias)]
         ctx.mark_non_differentiable(last_state)
@@ -73,10 +73,10 @@ class SelectiveScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlast_state):
-        u_, delta_, A_, B_, C_, D_, z_, bias_, states = ctx.saved_tensors
+        u_, delta_, A_, B_, C_, D_, z_, bias_, states, y = ctx.saved_tensors
         dout = dout.to(u_.dtype).contiguous()
-        grads = _kernels.selective_scan_bwd(dout, u_, delta_, A_, B_, C_, D_, z_, bias_, ctx.softplus, states,
-                                            ctx.cfg)
+        grads = _kernels.selective_scan_bwd(dout, u_, delta_, A_, B_, C_, D_, z_, bias_, ctx.softplus,
+                                            _kernels.Saved(states, y), ctx.cfg)
         du, ddelta, dA, dB, dC, dD, dz, dbias = grads
         if ctx.squeeze_group:
             dB, dC = dB.squeeze(1), dC.squeeze(1)
