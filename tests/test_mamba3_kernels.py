@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambalab.kernels.mamba3 import (rank_cumsum_bwd, rank_cumsum_fwd, rank_outputs_bwd, rank_outputs_fwd,
-                                     rotary_bwd, rotary_fwd)
+from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
+                                     rank_outputs_bwd, rank_outputs_fwd, rotary_bwd, rotary_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, expand_ranks, mamba3_chunked, mamba3_step_ref,
-                                 rank_outputs, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
+                                 mamba3_step_ref, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -131,10 +131,39 @@ def test_rank_cumsum_kernel():
     assert_close(dsigma, dsigma_ref, "d sigma", 1e-5)
 
 
+@pytest.mark.parametrize("a, init", [(40, True), (3, False)])
+def test_angle_cumsum_kernel(a, init):
+    """θ on its own: forward against cumulative_angle, backward (a cumsum from the end, dΔ summed over pairs,
+    dθ_{-1}) against autograd through it. a = 40: 64-position blocks, so l = 150 is three, one partial;
+    angles expanded over the heads, as the module passes them (strides, no copy)."""
+    b, l, h = 2, 150, 3
+    gen = torch.Generator().manual_seed(a)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    angles, dt, theta0 = rnd(b, l, 1, a), rnd(b, l, h).abs(), rnd(b, h, a) if init else None
+    leaves_ = [t for t in (angles, dt, theta0) if t is not None]
+    for t in leaves_:
+        t.requires_grad_(True)
+    state = None if theta0 is None else Mamba3State(theta0, None, None, None)
+    want = cumulative_angle(angles.expand(b, l, h, a), dt, state)
+    dtheta = rnd(b, l, h, a)
+    grads = torch.autograd.grad((want * dtheta).sum(), leaves_)
+    dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
+    got = angle_cumsum_fwd(dev(angles).expand(b, l, h, a), dev(dt), dev(theta0))
+    assert_close(got, want, "θ", 1e-5)
+    dangles, ddt, dtheta0 = angle_cumsum_bwd(dev(dtheta), dev(angles).expand(b, l, h, a), dev(dt), init)
+    assert_close(dangles.sum(2, keepdim=True), grads[0], "d angles", 1e-5)
+    assert_close(ddt, grads[1], "d dt", 1e-5)
+    if init:
+        assert_close(dtheta0, grads[2], "d θ_-1", 1e-5)
+    else:
+        assert dtheta0 is None
+
+
 @pytest.mark.parametrize("r, g, h, n, a", [(1, 1, 4, 16, 4), (3, 2, 4, 12, 6), (2, 2, 2, 10, 1)])
 def test_rotary_kernel(r, g, h, n, a):
     """q̂ / k̂ on their own: forward against biased_rotated, backward (dx summed over a group's heads, dbias
-    over positions, dθ over ranks) against autograd through it. l·b = 34 positions: two blocks, one partial."""
+    over positions, dθ over ranks, and added into a given dθ) against autograd through it. l·b = 34
+    positions: two blocks, one partial."""
     b, l = 2, 17
     gen = torch.Generator().manual_seed(r)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
@@ -151,6 +180,9 @@ def test_rotary_kernel(r, g, h, n, a):
     assert_close(dx, dx_ref, "dx", 1e-5)
     assert_close(dbias, dbias_ref, "dbias", 1e-5)
     assert_close(dtheta, dtheta_ref, "dθ", 1e-5)
+    earlier = dev(rnd(*theta.shape))                                             # dθ given: added into it
+    assert_close(rotary_bwd(dev(dout), dev(x), dev(bias), dev(theta), earlier.clone())[2], earlier + dtheta,
+                 "dθ added", 1e-6)
 
 
 @pytest.mark.parametrize("r, z", [(1, True), (1, False), (4, True), (2, False)])

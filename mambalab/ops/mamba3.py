@@ -2,10 +2,11 @@
 
 * :func:`mamba3_chunk_scan`: the exponential-trapezoidal, rotary, MIMO scan of :mod:`mambalab.ref.mamba3`
   (arguments of :func:`~mambalab.ref.mamba3.mamba3_chunked`), forward and backward. Triton does the heavy
-  parts: the biased, rotated q̂ and k̂ (:mod:`mambalab.kernels.mamba3.rotary`) and the scan itself, run on
-  the SSD kernels as a rank-expanded SSD (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums
-  over programs through ``reduction``. The cumulative angle, the step weights, the within-step correction
-  (its scores from small matmuls over n) and the per-rank D, gate and W^O are PyTorch around them,
+  parts: the cumulative angle (:mod:`mambalab.kernels.mamba3.angle_cumsum`), the biased, rotated q̂ and k̂
+  (:mod:`mambalab.kernels.mamba3.rotary`), the scan itself, run on the SSD kernels as a rank-expanded SSD
+  (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums over programs through ``reduction``, and
+  the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`). The step weights, the within-step
+  correction's coefficients (its scores from small matmuls over n) and W^V are PyTorch around them,
   differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
@@ -24,7 +25,7 @@ from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
-                                 cumulative_angle, entering_state, rank_inputs, step_weights, within_step_scores)
+                                 entering_state, rank_inputs, step_weights, within_step_scores)
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _STEP_CHECKS = validate.SignatureCache()
@@ -53,36 +54,45 @@ def _check(args, state, *, per_token, chunk_size=None):
     return sizes
 
 
-class RotaryFn(torch.autograd.Function):
-    """q̂ or k̂ in the rank-expanded layout: :func:`mambalab.kernels.mamba3.rotary_fwd` / ``rotary_bwd``.
+class AngleFn(torch.autograd.Function):
+    """θ = θ_{-1} + Σ_{s ≤ t} angles_s Δ_s along l: :func:`mambalab.kernels.mamba3.angle_cumsum_fwd` /
+    ``angle_cumsum_bwd``.
 
-    x (b, l, r, g, n); bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> (b, l, r, h, n) in ``out_dtype``.
+    angles (b, l, h, a) fp32 (any strides); dt (b, l, h) fp32 contiguous; initial (b, h, a) fp32 contiguous or
+    None -> theta (b, l, h, a) fp32, contiguous.
     """
 
     @staticmethod
-    def forward(ctx, x, bias, theta, out_dtype):
-        x_ = x.contiguous()
-        ctx.save_for_backward(x_, bias, theta)
-        return _kernels.rotary_fwd(x_, bias, theta, out_dtype)
+    def forward(ctx, angles, dt, initial):
+        angles = angles if angles.stride(-1) == 1 else angles.contiguous()
+        ctx.save_for_backward(angles, dt)
+        ctx.has_init = initial is not None
+        return _kernels.angle_cumsum_fwd(angles, dt, initial)
 
     @staticmethod
-    def backward(ctx, dout):
-        x, bias, theta = ctx.saved_tensors
-        dx, dbias, dtheta = _kernels.rotary_bwd(dout.contiguous(), x, bias, theta)
-        return dx.to(x.dtype), dbias, dtheta, None
+    def backward(ctx, dtheta):
+        angles, dt = ctx.saved_tensors
+        return _kernels.angle_cumsum_bwd(dtheta.contiguous(), angles, dt, ctx.has_init)
 
 
 class Mamba3ScanFn(torch.autograd.Function):
-    """The rank-expanded SSD: :func:`mambalab.kernels.mamba3.mamba3_scan_fwd` / ``mamba3_scan_bwd``.
+    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_fwd` and
+    :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards. One Function, so that the scan's
+    fp32 dB, dC go straight into the rotary backward (with q̂, k̂ the outputs of a Function of their own,
+    autograd would cast those gradients to q̂'s dtype in between, a pass over each).
 
-    B, C (b, l·r, h, n), x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial
-    (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32).
+    q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
+    fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
+    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32). The SSD's B = k̂ and C = q̂ are
+    (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, B, C, x, adt, sigma, initial, r, chunk_size, reduction):
+    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, initial, r, chunk_size, reduction):
+        C = _kernels.rotary_fwd(q, q_bias, theta, x.dtype).flatten(1, 2)         # q̂ (b, l·r, h, n)
+        B = _kernels.rotary_fwd(k, k_bias, theta, x.dtype).flatten(1, 2)         # k̂
         fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
-        ctx.save_for_backward(B, C, x, fwd.delta, fwd.cs, fwd.entering)
+        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, fwd.delta, fwd.cs, fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
@@ -90,12 +100,16 @@ class Mamba3ScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        B, C, x, delta, cs, entering = ctx.saved_tensors
+        q, k, q_bias, k_bias, theta, B, C, x, delta, cs, entering = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, entering, ctx.tiles)
         g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
-        return g.dB.to(B.dtype), g.dC.to(C.dtype), g.dx, g.dadt, g.dsigma, g.dinitial, None, None, None
+        ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
+        dk, dk_bias, dtheta = _kernels.rotary_bwd(ranks(g.dB), k, k_bias, theta)  # fp32 dB, dC read as they are
+        dq, dq_bias, dtheta = _kernels.rotary_bwd(ranks(g.dC), q, q_bias, theta, dtheta)
+        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
+                None, None, None)
 
 
 class RankOutputsFn(torch.autograd.Function):
@@ -111,8 +125,7 @@ class RankOutputsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         y, v, z, M, wz, wo = ctx.saved_tensors
-        dy, dv, dz, dM, dwz, dwo = _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, M, wz, wo)
-        return dy, dv.to(v.dtype), None if dz is None else dz.to(z.dtype), dM, dwz, dwo
+        return _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, M, wz, wo)   # dv, dz already in v's, z's dtype
 
 
 def output_mix(scores, gamma, sigma, D, mimo_v):
@@ -164,14 +177,14 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     if initial_state is not None:
         initial_state = Mamba3State(*(t.float() for t in initial_state))
 
-    theta = cumulative_angle(angles, dt, initial_state).contiguous()         # (b, l, h, a)
-    q_hat = RotaryFn.apply(q, q_bias.contiguous(), theta, kd)                 # (b, l, r, h, n)
-    k_hat = RotaryFn.apply(k, k_bias.contiguous(), theta, kd)
+    theta = AngleFn.apply(angles, dt.contiguous(),
+                          None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
     v_r = rank_inputs(v, mimo_v, r)                                           # (b, l, r, h, p)
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
-    flat = lambda t: t.flatten(1, 2).to(kd).contiguous()                     # (b, l, r, ...) -> (b, l·r, ...)
-    y, final = Mamba3ScanFn.apply(flat(k_hat), flat(q_hat), flat(v_r), adt.contiguous(), sigma.contiguous(),
+    x = v_r.flatten(1, 2).to(kd).contiguous()                                 # (b, l·r, h, p)
+    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
+                                  x, adt.contiguous(), sigma.contiguous(),
                                   None if entering0 is None else entering0.contiguous(), r, chunk_size,
                                   reduction)
     scores = within_step_scores(q.float(), k.float(), q_bias, k_bias)         # (b, l, h, r, r')

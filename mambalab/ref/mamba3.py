@@ -94,7 +94,6 @@ def check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
     for name, t in opt.items():
         if t is not None:
             validate.tensor(name, t, dtypes=DTYPES)
-    L = () if per_token else (None,)
     lname = "" if per_token else "l, "
     if q.dim() != 5 - per_token:
         raise ValueError(f"q must have shape (b, {lname}r, g, n); got {tuple(q.shape)}")
@@ -188,10 +187,11 @@ def biased_rotated(x, bias, theta):
 
 
 def rank_inputs(v, mimo_v, r):
-    """v_{·,r} = v ⊙ W^V_r: (b, [l,] h, p) -> (b, [l,] r, h, p); for r = 1 without W, v itself."""
+    """v_{·,r} = v ⊙ W^V_r: (b, [l,] h, p) -> (b, [l,] r, h, p); for r = 1 without W, v itself.
+    (W^V laid out (r, h, p) first, so that the product comes out contiguous.)"""
     if mimo_v is None:
         return v.unsqueeze(-3)
-    return v.unsqueeze(-3) * mimo_v.transpose(0, 1)
+    return v.unsqueeze(-3) * mimo_v.transpose(0, 1).contiguous()
 
 
 def rank_outputs(y, v_r, D, z, mimo_z, mimo_o):

@@ -114,8 +114,8 @@ def rank_outputs_bwd_kernel(
     y_ptr, v_ptr, z_ptr, M_ptr, wz_ptr, wo_ptr,   # the forward's inputs
     dout_ptr,         # (T, h, p)
     dy_ptr,           # (T, r, h, p) out, y's dtype
-    dv_ptr,           # (T, h, p) fp32 out
-    dz_ptr,           # (T, h, p) fp32 out (or a dummy)
+    dv_ptr,           # (T, h, p) out, v's dtype
+    dz_ptr,           # (T, h, p) out, z's dtype (or a dummy)
     dM_ptr,           # like M, fp32 out
     dwz_ptr, dwo_ptr,  # (programs along T, h, r, p) fp32 out: partials (or dummies)
     T, h, p,
@@ -151,9 +151,9 @@ def rank_outputs_bwd_kernel(
                 tl.store(dwz_ptr + part, tl.sum(dzr * z, axis=0), mask=mask_p)
         else:
             tl.store(dM_ptr + offs_t * h + hd, tl.sum(dpre * v, axis=1), mask=offs_t < T)
-    tl.store(dv_ptr + hp, dv, mask=mask)
+    tl.store(dv_ptr + hp, dv.to(dv_ptr.dtype.element_ty), mask=mask)
     if HAS_Z:
-        tl.store(dz_ptr + hp, dz, mask=mask)
+        tl.store(dz_ptr + hp, dz.to(dz_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch_args(y, M):
@@ -174,13 +174,14 @@ def rank_outputs_fwd(y, v, z, M, wz, wo):
 
 
 def rank_outputs_bwd(dout, y, v, z, M, wz, wo):
-    """Launch the backward (dout (T, h, p) contiguous). Returns (dy like y, dv, dz or None, dM like M,
-    dwz or None, dwo or None), the last five fp32; dwz, dwo (h, r, p) folded over position blocks."""
+    """Launch the backward (dout (T, h, p) contiguous). Returns (dy like y, dv like v, dz like z or None,
+    dM like M, dwz or None, dwo or None): dv and dz summed in fp32 and written once in their input's dtype
+    (what autograd would cast them to), dM, dwz, dwo fp32; dwz, dwo (h, r, p) folded over position blocks."""
     T, r, h, p, grid, block_p, mimo = _launch_args(y, M)
     f32 = dict(device=y.device, dtype=torch.float32)
     dy = torch.empty_like(y)
-    dv = torch.empty(T, h, p, **f32)
-    dz = torch.empty(T, h, p, **f32) if z is not None else None
+    dv = torch.empty_like(v)
+    dz = torch.empty_like(z) if z is not None else None
     dM = torch.empty_like(M)
     blocks = grid[0]
     dwo = torch.empty(blocks, h, r, p, **f32) if mimo else None

@@ -9,7 +9,7 @@ Math (per position t, rank r, head h reading group γ(h) = h // (H / g); pairs i
 Backward, from dout (the rotation is orthogonal, so its transpose turns back by -θ):
 
     dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
-    dθ[t, h, i] = Σ_r (dout_{2i+1} out_{2i} - dout_{2i} out_{2i+1})
+    dθ[t, h, i] = Σ_r (dout_{2i+1} out_{2i} - dout_{2i} out_{2i+1})     (added to a given dθ: q̂'s to k̂'s)
 
 The sum over a group's heads and over ranks stays inside a program (heads in order); the sum over positions
 for dbias is a reduction across programs: per-program partials folded by
@@ -104,9 +104,9 @@ def rotary_bwd_kernel(
     dout_ptr,         # (T, r, h, n)
     dx_ptr,           # (T, r, g, n) fp32 out
     dbias_ptr,        # (programs along T, h, r, n) fp32 out: partials
-    dtheta_ptr,       # (T, h, a) fp32 out
+    dtheta_ptr,       # (T, h, a) fp32 out (with ACCUMULATE: in and out)
     T, h, g, n, a,
-    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    R: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
@@ -134,7 +134,7 @@ def rotary_bwd_kernel(
             d = tl.load(dout_ptr + ((rows * R + r) * h + hd) * n + offs_c[None, :], mask=mask, other=0.0)
             d0, d1 = _pairs(d.to(tl.float32), BLOCK_T, BLOCK_N2)
             dth = d1 * (x0 * cos - x1 * sin) - d0 * (x0 * sin + x1 * cos)
-            if r > 0:                                              # ranks in order: add to the earlier ones
+            if r > 0 or ACCUMULATE:                                # ranks in order: add to the earlier ones
                 dth += tl.load(dtheta_ptr + th_off, mask=mask_a, other=0.0)
             tl.store(dtheta_ptr + th_off, dth, mask=mask_a)
             hx = _rows(d0 * cos + d1 * sin, d1 * cos - d0 * sin, BLOCK_T, BLOCK_N2)   # Rot(-θ) dout: dx̃
@@ -144,9 +144,10 @@ def rotary_bwd_kernel(
         tl.store(dx_ptr + src, dx, mask=mask)
 
 
-def rotary_bwd(dout, x, bias, theta):
-    """Launch the backward. dout (b, l, r, h, n) contiguous -> (dx (b, l, r, g, n) fp32, dbias (h, r, n) fp32,
-    dtheta (b, l, h, a) fp32)."""
+def rotary_bwd(dout, x, bias, theta, dtheta=None):
+    """Launch the backward. dout (b, l, r, h, n) contiguous, any float dtype (the scan's fp32 gradient is read
+    as it is); dtheta (b, l, h, a) fp32 contiguous to add this dθ into (the other of q̂, k̂), or None
+    -> (dx (b, l, r, g, n) fp32, dbias (h, r, n) fp32, dtheta (b, l, h, a) fp32: the given one, or new)."""
     b, l, r, g, n = x.shape
     h, a = bias.shape[0], theta.shape[-1]
     T = b * l
@@ -154,8 +155,10 @@ def rotary_bwd(dout, x, bias, theta):
     f32 = dict(device=x.device, dtype=torch.float32)
     dx = torch.empty(b, l, r, g, n, **f32)
     partials = torch.empty(blocks, h, r, n, **f32)
-    dtheta = torch.empty(b, l, h, a, **f32)
+    accumulate = dtheta is not None
+    dtheta = dtheta if accumulate else torch.empty(b, l, h, a, **f32)
     rotary_bwd_kernel[(blocks, g)](
         x, bias, theta, dout, dx, partials, dtheta, T, h, g, n, a,
-        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), num_warps=8 if r >= 4 else 4)
+        R=r, ACCUMULATE=accumulate, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+        num_warps=8 if r >= 4 else 4)
     return dx, sum_partials(partials, dim=0), dtheta
