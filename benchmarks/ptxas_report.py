@@ -78,7 +78,7 @@ def main():
     for name, fn, block_d, block_l, warps in rows:
         consts = dict(common, BLOCK_D=block_d, BLOCK_L=block_l)
         if fn is kernels.selective_scan_fwd_kernel:
-            consts.update(CKPT_L=rule.bwd_block_l, SAVE_STATES=True, SAVE_Y=True)
+            consts.update(CKPT_L=rule.bwd_block_l, SAVE_Y=True)
         usage = ptxas_usage(compile_ptx(fn, consts, warps, args.arch, args.dtype), args.arch)
         print(f"  {name:22s} BLOCK_D={block_d} BLOCK_L={block_l:4d} warps={warps}: {usage}")
 

@@ -155,7 +155,7 @@ def test_state_carried_across_many_blocks(block_d, block_l, bwd_block_d, bwd_blo
     cfg = kernels.TileConfig(block_d, 4, block_l, 2, bwd_block_d, bwd_block_l, 2)
     out, last, saved, cfg = kernels.selective_scan_fwd(x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                                        x["delta_bias"], True, cfg=cfg)
-    assert saved.states.shape[1] == -(-l // bwd_block_l)
+    assert saved.states.shape[1] == -(-l // bwd_block_l) + 1      # a slot per backward block, then the last state
     grads = kernels.selective_scan_bwd(dout, x["u"], x["delta"], x["A"], x["B"], x["C"], x["D"], x["z"],
                                        x["delta_bias"], True, saved, cfg)
     cpu = {k: v.cpu() for k, v in x.items()}

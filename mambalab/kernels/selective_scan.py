@@ -11,7 +11,10 @@ Math (per batch row, channel d, state index n; see :mod:`mambalab.ref.selective_
 
 so inside a block of ``BLOCK_L`` time steps all prefixes come from one ``tl.associative_scan`` (parallel,
 log-depth), and the state carried in from the previous block enters as h_t = A*_t h_in + B*_t. Blocks are
-walked in order, and the state is saved (``states``) at the start of every backward block for the backward;
+walked in order. The state is carried through memory (``states``): the steps that end backward blocks
+(and the last step) write their states, picked out of each state index's scan by one reduction over a
+(BLOCK_D, BLOCK_L / CKPT_L, CKPT_L) view, and the next block reads its start back as a (BLOCK_D,) column;
+without a backward the slots are the forward's blocks' ends only;
 with a gate z it also saves y before the gate, which the backward needs for dz (instead of recomputing
 Σ_n C h, one load of C and a multiply-add per state index and step).
 
@@ -137,12 +140,6 @@ def _channel_params(bias_ptr, D_ptr, offs_d, mask_d, HAS_BIAS: tl.constexpr, HAS
 
 
 @triton.jit
-def _column(tile, offs_n, i):
-    """Column i of a (BLOCK_D, BLOCK_N) register tile, as (BLOCK_D,)."""
-    return tl.sum(tl.where(offs_n[None, :] == i, tile, 0.0), axis=1)
-
-
-@triton.jit
 def selective_scan_fwd_kernel(
     u_ptr,            # (b, d, l) input
     delta_ptr,        # (b, d, l) step sizes Δ before bias/softplus
@@ -154,16 +151,16 @@ def selective_scan_fwd_kernel(
     bias_ptr,         # (d,) delta_bias, or a dummy
     out_ptr,          # (b, d, l) output
     y_ptr,            # (b, d, l) the output before the gate, for the backward's dz (written when SAVE_Y)
-    states_ptr,       # (b, c, d, n) fp32: the state every CKPT_L steps (entering each backward block)
-    last_state_ptr,   # (b, d, n) fp32: the state after the last step
+    states_ptr,       # (b, c + 1, d, n) fp32: the state every CKPT_L steps (slot k enters step k·CKPT_L), the
+                      # last slot the state after step l - 1; a scratch when no gradient is asked for
+    last_state_ptr,   # (b, d, n) fp32: the state after the last step (a copy of the last slot)
     d, n, l, g,       # sizes
     n_blocks,         # ceil(l / BLOCK_L)
     n_ckpt,           # c = ceil(l / CKPT_L)
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr,
-    CKPT_L: tl.constexpr,        # checkpoint interval; divides BLOCK_L
-    SAVE_STATES: tl.constexpr,   # False when no gradient will be asked for
-    SAVE_Y: tl.constexpr,        # HAS_Z and SAVE_STATES
+    CKPT_L: tl.constexpr,        # checkpoint interval; divides BLOCK_L (BLOCK_L itself when only carrying)
+    SAVE_Y: tl.constexpr,        # HAS_Z and a gradient will be asked for
 ):
     pid_b = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -178,22 +175,26 @@ def selective_scan_fwd_kernel(
 
     row = (pid_b * d + offs_d).to(tl.int64) * l                 # (BLOCK_D,) start of each channel's row
     bc_base = ((pid_b * g + group) * n).to(tl.int64) * l        # start of this group's B/C rows
-    h = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)          # the state, all n of it
+    slots = pid_b * (n_ckpt + 1)                                # this batch row's first slot in states
+    first = states_ptr + (slots * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
+    tl.store(first, tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32), mask=mask_dn)   # slot 0: h_{-1} = 0
     for blk in range(0, n_blocks):
+        # The state entering this block was written by the previous block's last step (by any warp).
+        tl.debug_barrier()
         t = blk * BLOCK_L + offs_t
         mask_t = t < l
         mask_dt = mask_d[:, None] & mask_t[None, :]
-        if SAVE_STATES:  # the state entering this block, for the backward
-            ck = blk * (BLOCK_L // CKPT_L)
-            st = states_ptr + ((pid_b * n_ckpt + ck) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-            tl.store(st, h, mask=mask_dn)
-
-            # Inside the block, step k·CKPT_L - 1 (k = 1, 2, …) ends where checkpoint blk·BLOCK_L/CKPT_L + k
-            # starts: a masked store of each state index's scan writes those steps (no reduction needed).
-            ck_t = ck + (offs_t + 1) // CKPT_L                                                   # (BL,)
-            ckpt_ptrs = states_ptr + ((pid_b * n_ckpt + ck_t[None, :]) * d + offs_d[:, None]).to(tl.int64) * n
-            ckpt_mask = mask_d[:, None] & ((((offs_t + 1) % CKPT_L) == 0) & (offs_t < BLOCK_L - 1)
-                                           & (ck_t < n_ckpt))[None, :]
+        ck = blk * (BLOCK_L // CKPT_L)
+        h_col = states_ptr + ((slots + ck) * d + offs_d).to(tl.int64) * n      # + i: h entering, (BD,)
+        # The steps that end checkpoint intervals (k + 1)·CKPT_L - 1 write their state into the slot that starts
+        # after them; the interval holding step l - 1 writes the final slot (its padding steps are a = 1, b = 0,
+        # so its end holds the state after step l - 1), and intervals past it write nothing.
+        k_end = tl.arange(0, BLOCK_L // CKPT_L)
+        t_end = blk * BLOCK_L + (k_end + 1) * CKPT_L - 1                                   # (BL / CKPT_L,)
+        slot = tl.where(t_end >= l - 1, n_ckpt, ck + k_end + 1)
+        end_mask = mask_d[:, None] & (t_end - CKPT_L < l - 1)[None, :]
+        end_ptrs = states_ptr + ((slots + slot[None, :]) * d + offs_d[:, None]).to(tl.int64) * n
+        is_end = ((offs_t + 1) % CKPT_L == 0)[None, :]
 
         dt = _delta_at(delta_ptr + row[:, None] + t[None, :], mask_dt, bias, HAS_BIAS, SOFTPLUS)  # (BD, BL)
         uu = tl.load(u_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)    # (BD, BL)
@@ -207,13 +208,10 @@ def selective_scan_fwd_kernel(
             a = tl.exp2(dt * A_i[:, None])                                  # (BD, BL)  exp(Δ A)
             bx = dtu * B_i[None, :]                                         # (BD, BL)  Δ u B
             a_cum, b_cum = tl.associative_scan((a, bx), 1, _scan_combine)
-            hs = a_cum * _column(h, offs_n, i)[:, None] + b_cum             # (BD, BL): h_t[:, i]
+            hs = a_cum * tl.load(h_col + i, mask=mask_d, other=0.0)[:, None] + b_cum   # (BD, BL): h_t[:, i]
             y += hs * C_i[None, :]
-            if SAVE_STATES and BLOCK_L > CKPT_L:  # states inside the block: one masked store of the tile
-                tl.store(ckpt_ptrs + i, hs, mask=ckpt_mask)
-            # Masked (padding) steps have a = 1, b = 0: the last column is the state after step l - 1.
-            last = tl.sum(tl.where(offs_t[None, :] == BLOCK_L - 1, hs, 0.0), axis=1)
-            h = tl.where(offs_n[None, :] == i, last[:, None], h)
+            ends = tl.sum(tl.where(is_end, hs, 0.0).reshape(BLOCK_D, BLOCK_L // CKPT_L, CKPT_L), axis=2)
+            tl.store(end_ptrs + i, ends, mask=end_mask)                     # (BD, BL / CKPT_L)
         if HAS_D:
             y += uu * Dv[:, None]
         if HAS_Z:
@@ -222,15 +220,17 @@ def selective_scan_fwd_kernel(
             zz = tl.load(z_ptr + row[:, None] + t[None, :], mask=mask_dt, other=0.0).to(tl.float32)
             y = y * zz * tl.sigmoid(zz)
         tl.store(out_ptr + row[:, None] + t[None, :], y.to(out_ptr.dtype.element_ty), mask=mask_dt)
+    tl.debug_barrier()
+    final = states_ptr + ((slots + n_ckpt) * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
     ls = last_state_ptr + (pid_b * d + offs_d[:, None]).to(tl.int64) * n + offs_n[None, :]
-    tl.store(ls, h, mask=mask_dn)
+    tl.store(ls, tl.load(final, mask=mask_dn, other=0.0), mask=mask_dn)
 
 
 @triton.jit
 def selective_scan_bwd_kernel(
     u_ptr, delta_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr, bias_ptr,   # forward inputs, as above
     dout_ptr,         # (b, d, l) gradient of the output
-    states_ptr,       # (b, c, d, n) fp32 block-start states saved by the forward
+    states_ptr,       # (b, c + 1, d, n) fp32 block-start states saved by the forward (and the final one)
     y_ptr,            # (b, d, l) the forward's output before the gate (HAS_Z), or a dummy
     g_first_ptr,      # (b, c, d, n) fp32 scratch: g at each block's first step (read by the block before)
     du_ptr,           # (b, d, l)
@@ -268,7 +268,7 @@ def selective_scan_bwd_kernel(
         # share of dA are single (BLOCK_D,) columns in memory (cheaper than selecting a column of a register
         # tile). The barrier makes the previous block's g_first (written by any warp) visible to all.
         tl.debug_barrier()
-        h_col = states_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n        # + i: h_in[:, i]
+        h_col = states_ptr + ((pid_b * (n_blocks + 1) + blk) * d + offs_d).to(tl.int64) * n  # + i: h_in[:, i]
         g_col = g_first_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n       # + i: this block's g
         dA_col = dA_part_ptr + ((pid_b * n_blocks + blk) * d + offs_d).to(tl.int64) * n
         t = blk * BLOCK_L + offs_t
@@ -348,7 +348,7 @@ def selective_scan_bwd_kernel(
 class Saved(NamedTuple):
     """What the forward keeps for the backward."""
 
-    states: torch.Tensor          # (b, c, d, n) fp32: the state entering each backward block
+    states: torch.Tensor          # (b, c + 1, d, n) fp32: the state entering each backward block, then the last
     y: torch.Tensor | None        # (b, d, l) in u's dtype: the output before the gate (with z only)
 
 
@@ -366,20 +366,21 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg:
         if (d // g) % getattr(cfg, name):
             raise ValueError(f"{name}={getattr(cfg, name)} must divide the channels per group, {d // g}")
     n_blocks = triton.cdiv(l, cfg.block_l)
-    n_ckpt = triton.cdiv(l, cfg.bwd_block_l)
+    ckpt_l = cfg.bwd_block_l if save_states else cfg.block_l   # without a backward, only the blocks' ends
+    n_ckpt = triton.cdiv(l, ckpt_l)
     out = torch.empty_like(u)
-    states = torch.empty(b, n_ckpt, d, n, device=u.device, dtype=torch.float32) if save_states else None
+    states = torch.empty(b, n_ckpt + 1, d, n, device=u.device, dtype=torch.float32)
     y = torch.empty_like(u) if save_states and z is not None else None
     last_state = torch.empty(b, d, n, device=u.device, dtype=torch.float32)
     grid = (b, triton.cdiv(d, cfg.block_d))
     selective_scan_fwd_kernel[grid](
         u, delta, A, B, C,
         D if D is not None else u, z if z is not None else u, delta_bias if delta_bias is not None else u,
-        out, y if y is not None else out, states if states is not None else last_state, last_state,
+        out, y if y is not None else out, states, last_state,
         d, n, l, g, n_blocks, n_ckpt,
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, SOFTPLUS=delta_softplus,
-        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, CKPT_L=cfg.bwd_block_l,
-        SAVE_STATES=save_states, SAVE_Y=y is not None, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n, BLOCK_L=cfg.block_l, CKPT_L=ckpt_l,
+        SAVE_Y=y is not None, num_warps=cfg.num_warps,
     )
     return out, last_state, Saved(states, y) if save_states else None, cfg
 
@@ -390,7 +391,7 @@ def selective_scan_bwd(dout, u, delta, A, B, C, D, z, delta_bias, delta_softplus
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
     states = saved.states
-    n_blocks = states.shape[1]
+    n_blocks = states.shape[1] - 1
     n_dblocks = triton.cdiv(d, cfg.bwd_block_d)
     f32 = dict(device=u.device, dtype=torch.float32)
     du = torch.empty_like(u)
