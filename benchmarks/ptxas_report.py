@@ -70,7 +70,7 @@ def main():
     rule = kernels.tile_config(2048, 16, 8192)
     common = dict(HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True, BLOCK_N=rule.block_n)
     rows = [("forward, the rule", kernels.selective_scan_fwd_kernel, rule.block_d, rule.block_l, rule.num_warps),
-            ("forward, 1 channel", kernels.selective_scan_fwd_kernel, 1, rule.block_l, rule.num_warps),
+            ("forward, 2 channels", kernels.selective_scan_fwd_kernel, 2, rule.block_l, rule.num_warps),
             ("backward, the rule", kernels.selective_scan_bwd_kernel, rule.bwd_block_d, rule.bwd_block_l,
              rule.bwd_num_warps),
             ("backward, 2 channels", kernels.selective_scan_bwd_kernel, 2, rule.bwd_block_l, rule.bwd_num_warps)]

@@ -130,10 +130,11 @@ def test_batch_invariance():
 def test_tile_rule():
     assert kernels.tile_config(6, 16, 100).bwd_block_d == 2      # divides the 6 channels of a group
     assert kernels.tile_config(3, 5, 100).block_d == kernels.tile_config(3, 5, 100).bwd_block_d == 1
-    assert kernels.tile_config(64, 16, 100).block_d == 2
+    assert kernels.tile_config(64, 16, 100).block_d == 1                # the forward: one channel a program
+    assert kernels.tile_config(64, 16, 100).bwd_block_d == 4
     assert kernels.tile_config(3, 5, 100).block_n == 8
     big = kernels.tile_config(2048, 16, 8192)
-    assert (big.block_d, big.block_l, big.bwd_block_d, big.bwd_block_l) == (2, 512, 4, 128)
+    assert (big.block_d, big.block_l, big.bwd_block_d, big.bwd_block_l) == (1, 512, 4, 128)
     short = kernels.tile_config(2048, 16, 20)                    # short sequences get short blocks
     assert (short.block_l, short.bwd_block_l) == (32, 32)
     assert kernels.tile_config(2048, 16, 1).block_l == 16

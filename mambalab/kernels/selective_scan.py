@@ -90,22 +90,24 @@ def _largest_power_of_two_dividing(value: int, at_most: int) -> int:
 def tile_config(channels_per_group: int, n: int, l: int) -> TileConfig:
     """The documented tile rule, from the shape alone (never the SM count, the batch size or an autotuner).
 
-    BLOCK_N covers the whole state (next power of two) in the register tile that carries it. BLOCK_D is a
-    power of two that divides the channels of one B/C group (so a program reads one group): up to 2 in
-    the forward, up to 4 in the backward, where it also sets how many channels each dB/dC partial sums.
-    The forward walks 512 steps a block (fewer when the whole sequence is shorter: the next power of two
-    at or above l, at least 16); the backward min(512 / BLOCK_D, that), and the forward saves the state
-    at that interval. One warp a program.
+    BLOCK_N covers the whole state (next power of two). The forward takes one channel a program; the
+    backward BLOCK_D channels, a power of two up to 4 that divides the channels of one B/C group (so a
+    program reads one group), which also sets how many channels each dB/dC partial sums. The forward walks
+    512 steps a block (fewer when the whole sequence is shorter: the next power of two at or above l, at
+    least 16); the backward min(512 / BLOCK_D, that), and the forward saves the state at that interval.
+    One warp a program.
 
     Chosen from H200 runs (benchmarks/results/2026-11-30_h200_selective_scan_*.json; b=8, d=2048, n=16,
     bf16 and fp32): one warp beat 2 and 4 at every tile size; the backward was fastest at (4 channels,
-    128 steps). Through the op, a forward of (2 channels, 512 steps) beat (1, 512) at every length and
-    dtype measured (v3 vs v4 files), although a kernel-only sweep had ranked (1, 512) first.
+    128 steps) (v6 A/B file: 2.70 ms against 2.77 for (8, 64)). The forward had 2 channels until the v8
+    kernels, whose checkpoints are a reduction rather than a masked store of the whole tile: then one
+    channel was faster in a kernel sweep (0.66 against 0.71 ms with checkpoints, bf16 l=2048, v8 file) and
+    through the op without a gradient (0.75 against 0.94 ms).
     """
     block_n = triton.next_power_of_2(max(n, 1))
     block_l = min(512, max(16, triton.next_power_of_2(max(l, 1))))
     bwd_block_d = _largest_power_of_two_dividing(channels_per_group, 4)
-    return TileConfig(block_d=_largest_power_of_two_dividing(channels_per_group, 2), block_n=block_n,
+    return TileConfig(block_d=1, block_n=block_n,
                       block_l=block_l, num_warps=1, bwd_block_d=bwd_block_d,
                       bwd_block_l=min(512 // bwd_block_d, block_l), bwd_num_warps=1)
 
