@@ -14,7 +14,9 @@ from mambalab.kernels import selective_scan as _kernels
 
 
 def _check(u, delta, A, B, C, D, z, delta_bias):
-    """Validate at the boundary; returns (b, d, l, n, g). Raises TypeError/ValueError naming the argument."""
+    """Validate at the boundary. Raises TypeError/ValueError naming the argument; returns the check that delta
+    is finite, queued on its device (:class:`mambalab.validate.Finite`: the caller waits for it just before
+    the kernels launch)."""
     for name, x in (("u", u), ("delta", delta), ("A", A), ("B", B), ("C", C)):
         validate.tensor(name, x)
     for name, x in (("D", D), ("z", z), ("delta_bias", delta_bias)):
@@ -44,14 +46,13 @@ def _check(u, delta, A, B, C, D, z, delta_bias):
     if z is not None:
         validate.shape("z", z, (b, d, l), "(b, d, l), like u")
     dev = validate.same_device(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias)
-    validate.finite("delta", delta)
     _device.ensure_kernel_device(dev)
-    return b, d, l, n, g
+    return validate.Finite("delta", delta)
 
 
 class SelectiveScanFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state):
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, delta_finite):
         squeeze_group = B.dim() == 3
         dtype_out = u.dtype
         work = _device.compute_dtype(u.dtype, u.device)
@@ -62,6 +63,7 @@ class SelectiveScanFn(torch.autograd.Function):
         C_ = prep(C.unsqueeze(1) if squeeze_group else C)
         A_, D_, bias_ = A.float().contiguous(), prep(D), prep(delta_bias)
         needs_grad = any(ctx.needs_input_grad[:8])
+        delta_finite.check()   # the last moment before the launch: the wait exposes only the launch itself
         out, last_state, saved, cfg = _kernels.selective_scan_fwd(
             u_, delta_, A_, B_, C_, D_, z_, bias_, delta_softplus, save_states=needs_grad)
         ctx.save_for_backward(u_, delta_, A_, B_, C_, D_, z_, bias_, *(saved or (None, None)))
@@ -82,7 +84,7 @@ class SelectiveScanFn(torch.autograd.Function):
             dB, dC = dB.squeeze(1), dC.squeeze(1)
         ordered = [du, ddelta, dA, dB, dC, dD, dz, dbias]
         ordered = [None if gr is None else gr.to(dt) for gr, dt in zip(ordered, ctx.dtypes)]
-        return (*ordered, None, None)
+        return (*ordered, None, None, None)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -104,7 +106,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     Returns:
         out (b, d, l) in u's dtype, or (out, last_state). Gradients flow to every tensor argument.
     """
-    _check(u, delta, A, B, C, D, z, delta_bias)
+    delta_finite = _check(u, delta, A, B, C, D, z, delta_bias)
     out, last_state = SelectiveScanFn.apply(u, delta, A, B, C, D, z, delta_bias, bool(delta_softplus),
-                                            bool(return_last_state))
+                                            bool(return_last_state), delta_finite)
     return (out, last_state) if return_last_state else out
