@@ -139,7 +139,11 @@ def main():
     if args.profile:
         x = make(args.batch, args.channels, args.state, 2048, torch.bfloat16)
         dout = torch.randn(args.batch, args.channels, 2048, device="cuda", dtype=torch.bfloat16)
-        result["profile_l2048_bf16"] = {"mambalab": profile_table(lambda: step(selective_scan, x, dout))}
+        result["profile_l2048_bf16"] = {"mambalab": profile_table(lambda: step(selective_scan, x, dout)),
+                                        # without a gradient (what fwd_ms times): its kernel time against fwd_ms
+                                        # shows how long the GPU waits between launches
+                                        "mambalab_forward_no_grad": profile_table(
+                                            lambda: step(selective_scan, x, dout, backward=False))}
         if rival is not None:
             result["profile_l2048_bf16"]["mamba_ssm_cuda"] = profile_table(lambda: step(rival, x, dout))
     if args.sweep:
