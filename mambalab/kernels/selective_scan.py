@@ -45,8 +45,9 @@ in a fixed order, so the backward is bitwise reproducible and independent of the
 
 Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, out: (b, d, l), contiguous;
 A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
-Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state is held as BLOCK_D × BLOCK_N), picked by
-:func:`tile_config` from (d // g, n, l) alone, so results never depend on the batch size or the machine.
+Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state travels between blocks through memory,
+a (BLOCK_D,) column per state index), picked by :func:`tile_config` from (d // g, n, l) alone, so results never
+depend on the batch size or the machine.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-LOG2E = 1.4426950408889634
+LOG2E: tl.constexpr = 1.4426950408889634   # exp(x) = exp2(x · LOG2E)
 
 
 @dataclass(frozen=True)
@@ -204,7 +205,7 @@ def selective_scan_fwd_kernel(
         y = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)
         # One state index at a time: each is an independent scan over the block's steps.
         for i in range(0, n):
-            A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32) * 1.4426950408889634
+            A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32) * LOG2E
             B_i = tl.load(B_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)   # (BL,)
             C_i = tl.load(C_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)   # (BL,)
             a = tl.exp2(dt * A_i[:, None])                                  # (BD, BL)  exp(Δ A)
@@ -297,7 +298,7 @@ def selective_scan_bwd_kernel(
         ddt_a = tl.zeros((BLOCK_D, BLOCK_L), dtype=tl.float32)    # Σ_n g (h - b) A
         for i in range(0, n):
             A_i = tl.load(A_ptr + offs_d * n + i, mask=mask_d, other=0.0).to(tl.float32)
-            A2_i = A_i * 1.4426950408889634
+            A2_i = A_i * LOG2E
             B_i = tl.load(B_ptr + bc_base + i * l + t, mask=mask_t, other=0.0).to(tl.float32)
             # Recompute this block's forward for state index i from its saved starting state.
             a = tl.exp2(dt * A2_i[:, None])
