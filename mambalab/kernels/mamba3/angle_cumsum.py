@@ -35,6 +35,20 @@ def _blocks(a: int):
 
 
 @triton.jit
+def _block_inputs(angles_ptr, dt_ptr, pid_b, hd, offs_t, offs_a, mask_a, l, h, a, stride_b, stride_l, stride_h):
+    """One block of positions of a (batch row, head): its masks, the offsets of its rows in a contiguous
+    (b, l, h, a) tensor, its angles (read through their strides) and its Δ, both 0 on padding rows."""
+    mask_t = offs_t < l
+    mask = mask_t[:, None] & mask_a[None, :]
+    rows = (pid_b * l + offs_t).to(tl.int64)                           # (b, l) positions
+    at = (rows[:, None] * h + hd) * a + offs_a[None, :]
+    ang = tl.load(angles_ptr + pid_b.to(tl.int64) * stride_b + offs_t[:, None].to(tl.int64) * stride_l
+                  + hd * stride_h + offs_a[None, :], mask=mask, other=0.0)
+    d = tl.load(dt_ptr + rows * h + hd, mask=mask_t, other=0.0)
+    return mask_t, mask, rows, at, ang, d
+
+
+@triton.jit
 def angle_cumsum_fwd_kernel(
     angles_ptr,       # (b, l, h, a) fp32, strides below (the last is 1)
     dt_ptr,           # (b, l, h) fp32
@@ -54,15 +68,10 @@ def angle_cumsum_fwd_kernel(
         carry += tl.load(init_ptr + head * a + offs_a, mask=mask_a, other=0.0)
     for start in range(0, l, BLOCK_L):
         offs_t = start + tl.arange(0, BLOCK_L)
-        mask_t = offs_t < l
-        mask = mask_t[:, None] & mask_a[None, :]
-        rows = (pid_b * l + offs_t).to(tl.int64)                       # (b, l) positions
-        ang = tl.load(angles_ptr + pid_b.to(tl.int64) * stride_b + offs_t[:, None].to(tl.int64) * stride_l
-                      + hd * stride_h + offs_a[None, :], mask=mask, other=0.0)
-        d = tl.load(dt_ptr + rows * h + hd, mask=mask_t, other=0.0)
+        _, mask, _, at, ang, d = _block_inputs(angles_ptr, dt_ptr, pid_b, hd, offs_t, offs_a, mask_a, l, h, a,
+                                               stride_b, stride_l, stride_h)
         steps = ang * d[:, None]                                       # padding rows are 0
-        tl.store(theta_ptr + (rows[:, None] * h + hd) * a + offs_a[None, :],
-                 carry[None, :] + tl.cumsum(steps, axis=0), mask=mask)
+        tl.store(theta_ptr + at, carry[None, :] + tl.cumsum(steps, axis=0), mask=mask)
         carry += tl.sum(steps, axis=0)
 
 
@@ -100,16 +109,11 @@ def angle_cumsum_bwd_kernel(
     blocks = tl.cdiv(l, BLOCK_L)
     for k in range(0, blocks):
         offs_t = (blocks - 1 - k) * BLOCK_L + tl.arange(0, BLOCK_L)    # the last block first
-        mask_t = offs_t < l
-        mask = mask_t[:, None] & mask_a[None, :]
-        rows = (pid_b * l + offs_t).to(tl.int64)
-        at = (rows[:, None] * h + hd) * a + offs_a[None, :]
+        mask_t, mask, rows, at, ang, d = _block_inputs(angles_ptr, dt_ptr, pid_b, hd, offs_t, offs_a, mask_a, l, h,
+                                                       a, stride_b, stride_l, stride_h)
         g = tl.load(dtheta_ptr + at, mask=mask, other=0.0)
         G = carry[None, :] + tl.cumsum(g, axis=0, reverse=True)         # Σ_{t ≥ s} dθ[t]
         carry += tl.sum(g, axis=0)
-        ang = tl.load(angles_ptr + pid_b.to(tl.int64) * stride_b + offs_t[:, None].to(tl.int64) * stride_l
-                      + hd * stride_h + offs_a[None, :], mask=mask, other=0.0)
-        d = tl.load(dt_ptr + rows * h + hd, mask=mask_t, other=0.0)
         tl.store(dangles_ptr + at, G * d[:, None], mask=mask)
         tl.store(ddt_ptr + rows * h + hd, tl.sum(G * ang, axis=1), mask=mask_t)
     if HAS_INIT:
