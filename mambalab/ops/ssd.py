@@ -23,7 +23,9 @@ MIN_CHUNK_SIZE = 16  # tl.dot wants blocks of at least 16
 
 
 def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
-    """Validate at the boundary; returns (b, l, h, p, g, n). Raises TypeError/ValueError naming the argument."""
+    """Validate at the boundary. Raises TypeError/ValueError naming the argument; returns the check that dt is
+    finite, queued on its device (:class:`mambalab.validate.Finite`: the caller waits for it just before the
+    kernels launch)."""
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         validate.tensor(name, t)
     for name, t in (("D", D), ("z", z), ("dt_bias", dt_bias), ("initial_states", initial_states)):
@@ -63,9 +65,8 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
         raise ValueError(f"dt_limit must be (min, max) with min <= max; got {dt_limit!r}")
     dev = validate.same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                                initial_states=initial_states)
-    validate.finite("dt", dt)
     _device.ensure_kernel_device(dev)
-    return b, l, h, p, g, n
+    return validate.Finite("dt", dt)
 
 
 def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -94,13 +95,14 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
         NotImplementedError: if an input requires grad while autograd is recording (this entry point is
             forward only; :func:`ssd_chunk_scan` has the backward).
     """
-    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
+    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
             "ssd_chunk_scan_forward records no autograd graph, and an input requires grad: use "
             "mambalab.ops.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
     x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
+    dt_finite.check()   # the last moment before the launch
     res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
                                       bool(dt_softplus), tuple(float(v) for v in dt_limit))
     out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
@@ -127,8 +129,10 @@ class SSDChunkScanFn(torch.autograd.Function):
     Backward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_bwd` from d out and d final_states."""
 
     @staticmethod
-    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus, dt_limit, reduction):
+    def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus, dt_limit, reduction,
+                dt_finite):
         x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
+        dt_finite.check()   # the last moment before the launch
         res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_, dt_softplus,
                                           dt_limit)
         # the backward needs Δ, cs and the entering states; not the chunk states (step 1's own output)
@@ -153,7 +157,7 @@ class SSDChunkScanFn(torch.autograd.Function):
         grads = (g.dx, g.ddt, g.dA, g.dB, g.dC, g.dD, g.dz, g.ddt_bias, g.dinitial_states)
         grads = [None if gr is None or not need else gr.to(dt)
                  for gr, dt, need in zip(grads, ctx.dtypes, ctx.needs_input_grad)]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -176,7 +180,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     Returns out (b, l, h, p) in x's dtype, or (out, final_states (b, h, p, n) fp32); gradients flow from both.
     """
     reduction = resolve_reduction(reduction)   # None: the determinism switch's mode (default "deterministic")
-    _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
+    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
     out, final = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, bool(dt_softplus),
-                                      tuple(float(v) for v in dt_limit), reduction)
+                                      tuple(float(v) for v in dt_limit), reduction, dt_finite)
     return (out, final) if return_final_states else out
