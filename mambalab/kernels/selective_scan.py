@@ -60,7 +60,7 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-LOG2E: tl.constexpr = 1.4426950408889634   # exp(x) = exp2(x · LOG2E)
+LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · LOG2E); a global a kernel reads must be a tl.constexpr instance
 
 
 @dataclass(frozen=True)
