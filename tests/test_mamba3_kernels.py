@@ -185,33 +185,41 @@ def test_rotary_kernel(r, g, h, n, a):
                  "dθ added", 1e-6)
 
 
-@pytest.mark.parametrize("r, z", [(1, True), (1, False), (4, True), (2, False)])
-def test_rank_outputs_kernel(r, z):
-    """The fused output stage against ref.rank_outputs on y + v ⊙ M (D folded into M), forward and backward.
+@pytest.mark.parametrize("r, z, D", [(1, True, False), (1, False, False), (4, True, True), (4, False, False),
+                                     (2, True, False), (2, False, True)])
+def test_rank_outputs_kernel(r, z, D):
+    """The fused output stage against autograd through the PyTorch formula: ref.rank_outputs on y + v ⊙ M with
+    M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (MIMO; the kernels form M from c, W^V, D) or M = c itself (SISO, D
+    folded into c by the op), forward and every gradient (c, W^V, D, W^Z, W^O included).
     T = 37 positions: two blocks, one partial; p = 20 (a padded head)."""
     T, h, p = 37, 3, 20
-    gen = torch.Generator().manual_seed(r)
+    gen = torch.Generator().manual_seed(r + 2 * z + 4 * D)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    y, v = rnd(T, r, h, p), rnd(T, h, p)
+    mimo = r > 1
+    y, v, coef = rnd(T, r, h, p), rnd(T, h, p), rnd(T, h, r, r)
     zz = rnd(T, h, p) if z else None
-    M = rnd(T, h, r, p) if r > 1 else rnd(T, h, 1)
-    wz = rnd(h, r, p) if r > 1 and z else None
-    wo = rnd(h, r, p) if r > 1 else None
-    inputs = [t for t in (y, v, zz, M, wz, wo) if t is not None]
-    for t in inputs:
-        t.requires_grad_(True)
-    pre = y + (v[:, None] * M.transpose(1, 2) if r > 1 else v[:, None] * M[:, None])       # (T, r, h, p)
+    wv = rnd(h, r, p) if mimo else None
+    dd = rnd(h) if D else None
+    wz = rnd(h, r, p) if mimo and z else None
+    wo = rnd(h, r, p) if mimo else None
+    given = dict(y=y, v=v, z=zz, coef=coef, wv=wv, D=dd, wz=wz, wo=wo)
+    inputs = {k: t.requires_grad_(True) for k, t in given.items() if t is not None}
+    if mimo:
+        M = torch.einsum("thrj,hjp->thrp", coef, wv) + (0 if dd is None else dd[:, None, None] * wv)
+        pre = y + v[:, None] * M.transpose(1, 2)                                        # (T, r, h, p)
+    else:
+        pre = y + v[:, None] * coef[..., 0][:, None]
     want = rank_outputs(pre, torch.zeros_like(pre), None, zz, wz, wo)
     dout = rnd(T, h, p)
-    grads = torch.autograd.grad((want * dout).sum(), inputs)
+    grads = dict(zip(inputs, torch.autograd.grad((want * dout).sum(), list(inputs.values()))))
     dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
-    got = rank_outputs_fwd(dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
-    assert_close(got, want, "out", 1e-5)
-    dy, dv, dz, dM, dwz, dwo = rank_outputs_bwd(dev(dout), dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
-    names = ("dy", "dv", "dz", "dM", "dwz", "dwo")
-    got_grads = [g for g, t in zip((dy, dv, dz, dM, dwz, dwo), (y, v, zz, M, wz, wo)) if t is not None]
-    for name, g, w in zip([n for n, t in zip(names, (y, v, zz, M, wz, wo)) if t is not None], got_grads, grads):
-        assert_close(g, w, name, 1e-5)
+    args = [dev(given[k]) for k in ("y", "v", "z", "coef", "wv", "D", "wz", "wo")]
+    assert_close(rank_outputs_fwd(*args), want, "out", 1e-5)
+    got = dict(zip(("y", "v", "z", "coef", "wv", "D", "wz", "wo"), rank_outputs_bwd(dev(dout), *args)))
+    assert sorted(k for k, g in got.items() if g is not None) == sorted(inputs)
+    for name, want_grad in grads.items():
+        assert got[name].shape == given[name].shape, name
+        assert_close(got[name], want_grad, f"d{name}", 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- decode step

@@ -5,9 +5,10 @@
   parts: the cumulative angle (:mod:`mambalab.kernels.mamba3.angle_cumsum`), the biased, rotated q̂ and k̂
   (:mod:`mambalab.kernels.mamba3.rotary`), the scan itself, run on the SSD kernels as a rank-expanded SSD
   (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums over programs through ``reduction``, and
-  the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`). The step weights, the within-step
-  correction's coefficients (its scores from small matmuls over n) and W^V are PyTorch around them,
-  differentiated by autograd (no atomics, no index_add).
+  the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`), which takes the within-step correction's
+  coefficients, W^V and D as they are (for MIMO nothing of size (b, l, h, r, p) is built for it). The step
+  weights, those coefficients (their scores from small matmuls over n) and the rank inputs v ⊙ W^V are PyTorch
+  around the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -113,33 +114,21 @@ class Mamba3ScanFn(torch.autograd.Function):
 
 
 class RankOutputsFn(torch.autograd.Function):
-    """out = Σ_r W^O_r ⊙ (y_r + v ⊙ M_r) ⊙ silu(z ⊙ W^Z_r): :func:`mambalab.kernels.mamba3.rank_outputs_fwd` /
-    ``rank_outputs_bwd``. y (T, r, h, p); v, z (T, h, p); M (T, h, r, p) or (T, h, 1) fp32; wz, wo (h, r, p)
-    fp32 or None -> out (T, h, p) in v's dtype."""
+    """out = Σ_r W^O_r ⊙ (y_r + v ⊙ M_r) ⊙ silu(z ⊙ W^Z_r), M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r formed inside
+    the kernels: :func:`mambalab.kernels.mamba3.rank_outputs_fwd` / ``rank_outputs_bwd``. y (T, r, h, p);
+    v, z (T, h, p); MIMO: coef (T, h, r, r'), wv (h, r, p), D (h,) or None, fp32; SISO: coef = M (T, h, 1, 1)
+    fp32 with D folded in, wv and D None; wz, wo (h, r, p) fp32 or None -> out (T, h, p) in v's dtype."""
 
     @staticmethod
-    def forward(ctx, y, v, z, M, wz, wo):
-        ctx.save_for_backward(y, v, z, M, wz, wo)
-        return _kernels.rank_outputs_fwd(y, v, z, M, wz, wo)
+    def forward(ctx, y, v, z, coef, wv, D, wz, wo):
+        ctx.save_for_backward(y, v, z, coef, wv, D, wz, wo)
+        return _kernels.rank_outputs_fwd(y, v, z, coef, wv, D, wz, wo)
 
     @staticmethod
     def backward(ctx, dout):
-        y, v, z, M, wz, wo = ctx.saved_tensors
-        return _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, M, wz, wo)   # dv, dz already in v's, z's dtype
-
-
-def output_mix(scores, gamma, sigma, D, mimo_v):
-    """M of :mod:`mambalab.kernels.mamba3.rank_outputs`: the within-step correction and D skip as weights on v,
-
-        M_r = Σ_{r'} c_{r,r'} (q̂_r · k̂_r') W^V_{r'} + D W^V_r       (b, l, h, r, p)
-        SISO: M = c_{0,0} q̂ · k̂ + D                                  (b, l, h, 1)
-    """
-    coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
-    if mimo_v is None:
-        M = coef[..., 0]                                                      # (b, l, h, 1)
-        return M if D is None else M + D[:, None]
-    M = torch.einsum("blhrj,hjp->blhrp", coef, mimo_v)
-    return M if D is None else M + D[:, None, None] * mimo_v
+        y, v, z, coef, wv, D, wz, wo = ctx.saved_tensors
+        # (dy, dv, dz, dcoef, dwv, dD, dwz, dwo): dv, dz already in v's, z's dtype
+        return _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, coef, wv, D, wz, wo)
 
 
 def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
@@ -188,11 +177,17 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
                                   None if entering0 is None else entering0.contiguous(), r, chunk_size,
                                   reduction)
     scores = within_step_scores(q.float(), k.float(), q_bias, k_bias)         # (b, l, h, r, r')
-    M = output_mix(scores, gamma, sigma, D, mimo_v)
+    # MIMO: the kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (b, l, h, r, p) from these for their tile;
+    # SISO: M = c_{0,0} q̂·k̂ + D, one number per position and head, with D added here
+    coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
+    mimo = mimo_v is not None
+    if not mimo and D is not None:
+        coef = coef + D[:, None, None]
     T = b * l
     out = RankOutputsFn.apply(y.view(T, r, h, p), v.reshape(T, h, p).contiguous(),
                               None if z is None else z.reshape(T, h, p).contiguous(),
-                              M.reshape(T, h, *M.shape[3:]).contiguous(),
+                              coef.reshape(T, h, r, r).contiguous(), mimo_v.contiguous() if mimo else None,
+                              D.contiguous() if mimo and D is not None else None,
                               None if mimo_z is None else mimo_z.contiguous(),
                               None if mimo_o is None else mimo_o.contiguous())
     out = out.view(b, l, h, p).to(dtype_in)

@@ -5,7 +5,8 @@
     rank_cumsum   step 0 of the rank-expanded SSD: input weights σ and within-chunk log-decays (+ backward)
     chunk_scan    the SSD's steps 1-3 (and backwards) driven with those: :func:`mamba3_scan_fwd`,
                   :func:`mamba3_scan_bwd`
-    rank_outputs  the output stage fused: correction and D (as M), gate, Σ_r W^O (+ backward)
+    rank_outputs  the output stage fused: correction and D (MIMO: M formed per tile from c, W^V, D), gate,
+                  Σ_r W^O (+ backward)
     step          one decoding step for every head in one kernel: :func:`mamba3_step_fwd`
 
 The math is in :mod:`mambalab.ref.mamba3`; :mod:`mambalab.ops.mamba3` wires them together with the small
