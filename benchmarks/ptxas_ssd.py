@@ -10,6 +10,9 @@ Step 2 (this process, interpreter off): compiles each recorded launch with Trito
 and runs the ptxas shipped with Triton in verbose mode.
 
     python benchmarks/ptxas_ssd.py [--arch 90] [--dtype bf16] [--shape H P N CHUNK] [--op mamba3 --rank R]
+
+Both steps import mambalab from this checkout (the directory above benchmarks/), not an installed copy, so a
+git worktree compiles its own kernels.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # this checkout's mambalab
 
 
 def record(dtype: str, h: int, p: int, n: int, chunk: int, reduction: str, op: str = "ssd", rank: int = 1) -> list[dict]:

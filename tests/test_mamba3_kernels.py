@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
-                                     rank_outputs_bwd, rank_outputs_fwd, rotary_bwd, rotary_fwd)
+                                     rank_outputs_bwd, rank_outputs_fwd, rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
@@ -159,59 +159,75 @@ def test_angle_cumsum_kernel(a, init):
         assert dtheta0 is None
 
 
-@pytest.mark.parametrize("r, g, h, n, a", [(1, 1, 4, 16, 4), (3, 2, 4, 12, 6), (2, 2, 2, 10, 1)])
-def test_rotary_kernel(r, g, h, n, a):
-    """q̂ / k̂ on their own: forward against biased_rotated, backward (dx summed over a group's heads, dbias
-    over positions, dθ over ranks, and added into a given dθ) against autograd through it. l·b = 34
-    positions: two blocks, one partial."""
-    b, l = 2, 17
+@pytest.mark.parametrize("r, g, h, n, a, b, l", [
+    (1, 1, 4, 16, 4, 2, 17),     # a < n / 2; 34 positions, 32 a block: two blocks, one partial
+    (3, 2, 4, 12, 6, 2, 17),     # a = n / 2; r = 3 padded to 4 ranks, 8 positions a block
+    (2, 2, 2, 10, 1, 1, 37),     # n / 2 = 5 padded to 8 pairs; 16 positions a block
+    (4, 1, 4, 16, 3, 1, 13),     # 8 positions a block: two blocks, one partial
+    (8, 2, 2, 16, 8, 1, 7),      # 4 positions a block
+])
+def test_rotary_qk_kernel(r, g, h, n, a, b, l):
+    """q̂ and k̂ in one launch each way: forward against biased_rotated for each, backward (dq, dk summed over a
+    group's heads, dbias over positions, dθ over ranks and over q and k) against autograd through both at once;
+    bf16 dq̂, dk̂ read as their fp32 values."""
     gen = torch.Generator().manual_seed(r)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    x, bias, theta = rnd(b, l, r, g, n), rnd(h, r, n), rnd(b, l, h, a)
-    for t in (x, bias, theta):
+    q, k, q_bias, k_bias, theta = rnd(b, l, r, g, n), rnd(b, l, r, g, n), rnd(h, r, n), rnd(h, r, n), rnd(b, l, h, a)
+    leaves_ = (q, k, q_bias, k_bias, theta)
+    for t in leaves_:
         t.requires_grad_(True)
-    want = biased_rotated(x, bias, theta)                                       # (b, l, r, h, n)
-    dout = rnd(*want.shape)
-    dx_ref, dbias_ref, dtheta_ref = torch.autograd.grad((want * dout).sum(), (x, bias, theta))
+    q_want, k_want = biased_rotated(q, q_bias, theta), biased_rotated(k, k_bias, theta)   # (b, l, r, h, n)
+    dq_out, dk_out = rnd(*q_want.shape), rnd(*k_want.shape)
+    want = torch.autograd.grad((q_want * dq_out).sum() + (k_want * dk_out).sum(), leaves_)
     dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    got = rotary_fwd(dev(x), dev(bias), dev(theta), torch.float32)
-    assert_close(got, want, "q̂", 1e-6)
-    dx, dbias, dtheta = rotary_bwd(dev(dout), dev(x), dev(bias), dev(theta))
-    assert_close(dx, dx_ref, "dx", 1e-5)
-    assert_close(dbias, dbias_ref, "dbias", 1e-5)
-    assert_close(dtheta, dtheta_ref, "dθ", 1e-5)
-    earlier = dev(rnd(*theta.shape))                                             # dθ given: added into it
-    assert_close(rotary_bwd(dev(dout), dev(x), dev(bias), dev(theta), earlier.clone())[2], earlier + dtheta,
-                 "dθ added", 1e-6)
+    q_got, k_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32)
+    assert_close(q_got, q_want, "q̂", 1e-6)
+    assert_close(k_got, k_want, "k̂", 1e-6)
+    got = rotary_qk_bwd(dev(dq_out), dev(dk_out), *map(dev, leaves_))
+    for name, g_, w in zip(("dq", "dk", "dq_bias", "dk_bias", "dθ"), got, want):
+        assert g_.dtype == torch.float32 and g_.shape == w.shape, name
+        assert_close(g_, w, name, 1e-5)
+    low = [dev(d).bfloat16() for d in (dq_out, dk_out)]
+    for g_, w in zip(rotary_qk_bwd(*low, *map(dev, leaves_)),
+                     rotary_qk_bwd(*(d.float() for d in low), *map(dev, leaves_))):
+        assert torch.equal(g_, w)
 
 
-@pytest.mark.parametrize("r, z", [(1, True), (1, False), (4, True), (2, False)])
-def test_rank_outputs_kernel(r, z):
-    """The fused output stage against ref.rank_outputs on y + v ⊙ M (D folded into M), forward and backward.
+@pytest.mark.parametrize("r, z, D", [(1, True, False), (1, False, False), (4, True, True), (4, False, False),
+                                     (2, True, False), (2, False, True)])
+def test_rank_outputs_kernel(r, z, D):
+    """The fused output stage against autograd through the PyTorch formula: ref.rank_outputs on y + v ⊙ M with
+    M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (MIMO; the kernels form M from c, W^V, D) or M = c itself (SISO, D
+    folded into c by the op), forward and every gradient (c, W^V, D, W^Z, W^O included).
     T = 37 positions: two blocks, one partial; p = 20 (a padded head)."""
     T, h, p = 37, 3, 20
-    gen = torch.Generator().manual_seed(r)
+    gen = torch.Generator().manual_seed(r + 2 * z + 4 * D)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    y, v = rnd(T, r, h, p), rnd(T, h, p)
+    mimo = r > 1
+    y, v, coef = rnd(T, r, h, p), rnd(T, h, p), rnd(T, h, r, r)
     zz = rnd(T, h, p) if z else None
-    M = rnd(T, h, r, p) if r > 1 else rnd(T, h, 1)
-    wz = rnd(h, r, p) if r > 1 and z else None
-    wo = rnd(h, r, p) if r > 1 else None
-    inputs = [t for t in (y, v, zz, M, wz, wo) if t is not None]
-    for t in inputs:
-        t.requires_grad_(True)
-    pre = y + (v[:, None] * M.transpose(1, 2) if r > 1 else v[:, None] * M[:, None])       # (T, r, h, p)
+    wv = rnd(h, r, p) if mimo else None
+    dd = rnd(h) if D else None
+    wz = rnd(h, r, p) if mimo and z else None
+    wo = rnd(h, r, p) if mimo else None
+    given = dict(y=y, v=v, z=zz, coef=coef, wv=wv, D=dd, wz=wz, wo=wo)
+    inputs = {k: t.requires_grad_(True) for k, t in given.items() if t is not None}
+    if mimo:
+        M = torch.einsum("thrj,hjp->thrp", coef, wv) + (0 if dd is None else dd[:, None, None] * wv)
+        pre = y + v[:, None] * M.transpose(1, 2)                                        # (T, r, h, p)
+    else:
+        pre = y + v[:, None] * coef[..., 0][:, None]
     want = rank_outputs(pre, torch.zeros_like(pre), None, zz, wz, wo)
     dout = rnd(T, h, p)
-    grads = torch.autograd.grad((want * dout).sum(), inputs)
+    grads = dict(zip(inputs, torch.autograd.grad((want * dout).sum(), list(inputs.values()))))
     dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
-    got = rank_outputs_fwd(dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
-    assert_close(got, want, "out", 1e-5)
-    dy, dv, dz, dM, dwz, dwo = rank_outputs_bwd(dev(dout), dev(y), dev(v), dev(zz), dev(M), dev(wz), dev(wo))
-    names = ("dy", "dv", "dz", "dM", "dwz", "dwo")
-    got_grads = [g for g, t in zip((dy, dv, dz, dM, dwz, dwo), (y, v, zz, M, wz, wo)) if t is not None]
-    for name, g, w in zip([n for n, t in zip(names, (y, v, zz, M, wz, wo)) if t is not None], got_grads, grads):
-        assert_close(g, w, name, 1e-5)
+    args = [dev(given[k]) for k in ("y", "v", "z", "coef", "wv", "D", "wz", "wo")]
+    assert_close(rank_outputs_fwd(*args), want, "out", 1e-5)
+    got = dict(zip(("y", "v", "z", "coef", "wv", "D", "wz", "wo"), rank_outputs_bwd(dev(dout), *args)))
+    assert sorted(k for k, g in got.items() if g is not None) == sorted(inputs)
+    for name, want_grad in grads.items():
+        assert got[name].shape == given[name].shape, name
+        assert_close(got[name], want_grad, f"d{name}", 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- decode step

@@ -1,31 +1,51 @@
-"""Mamba-3's q̂ and k̂: per-head bias and rotation by the cumulative angle, forward and backward.
+"""Mamba-3's q̂ and k̂ together: per-head bias and rotation by the cumulative angle, forward and backward.
 
-Math (per position t, rank r, head h reading group γ(h) = h // (H / g); pairs i < a turn, the rest do not):
+Math (per position t, rank r, head h reading group γ(h) = h // (H / g); pairs i < a turn, the rest do not;
+x is q or k, each with its own bias, both turned by the same θ):
 
     x̃ = x[t, r, γ(h)] + bias[h, r]                              (n,)
     out[t, r, h, 2i]   = x̃_{2i} cos θ[t, h, i] - x̃_{2i+1} sin θ[t, h, i]
     out[t, r, h, 2i+1] = x̃_{2i} sin θ[t, h, i] + x̃_{2i+1} cos θ[t, h, i]
 
-Backward, from dout (the rotation is orthogonal, so its transpose turns back by -θ):
+Backward, from dout (the rotation is orthogonal, so its transpose turns back by -θ), for x = q and k:
 
     dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
-    dθ[t, h, i] = Σ_r (dout_{2i+1} out_{2i} - dout_{2i} out_{2i+1})     (added to a given dθ: q̂'s to k̂'s)
+    dθ[t, h, i] = Σ_r (dq̂_{2i+1} q̂_{2i} - dq̂_{2i} q̂_{2i+1})  +  Σ_r (dk̂_{2i+1} k̂_{2i} - dk̂_{2i} k̂_{2i+1})
 
-The sum over a group's heads and over ranks stays inside a program (heads in order); the sum over positions
-for dbias is a reduction across programs: per-program partials folded by
-:func:`mambalab.kernels.reduce.sum_partials` (never atomics).
+One launch each way for q and k: a program loads θ and evaluates cos θ, sin θ once per (position block,
+head) and uses them for q and k and every rank; the backward sums dθ over ranks and over q and k in
+registers and writes it once. The sum over a group's heads stays inside a program (heads in order); the sum
+over positions for dbias is a reduction across programs: per-program partials, q's and k's in one buffer,
+folded by one :func:`mambalab.kernels.reduce.sum_partials` (never atomics).
 
-The output is written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
+The outputs are written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
 
-Tile rule (shape only): BLOCK_T = 32 positions of the flattened (b·l) axis per program, BLOCK_N2 =
-next_pow2(n / 2) pairs; rows of n are read and written whole (contiguous, vectorised) and split into their
-pairs in registers (the earlier pair-strided version took 1.1 ms per call at b4 l4096 h32 n128 in an H200
-profile); forward programs are (position block, head), backward programs (position block, group), the
-backward with 8 warps from r = 4 on, else 4. (8 was chosen when the pair-strided version spilled at 4. The
-row version, compiled for sm_90 at r = 4, n = 128, spills nothing at 4 warps and 176 B at 8, the figure
-benchmarks/ptxas_ssd.py --op mamba3 --rank 4 reports: the rule is to re-time on a GPU.)
+Tile rule (shape only): each of q and k is a tile of ROWS = 32 rows of n, BLOCK_R = next_pow2(r) ranks by
+BLOCK_T = 32 / BLOCK_R positions of the flattened (b·l) axis (at least 1), with BLOCK_N2 = next_pow2(n / 2)
+pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers (the
+earlier pair-strided version took 1.1 ms per call at b4 l4096 h32 n128 in an H200 profile). Forward programs
+are (position block, head), backward programs (position block, group). Every rank sits in one tile so that
+dθ's sum over ranks stays in registers and cos, sin serve every rank; the backward holds q's and k's dx
+tiles (and q, k themselves) across the group's heads, so a tile covers fewer positions as r grows: at r = 1
+the 32 positions of the two-launch version, at r = 4 eight, which makes the dbias partials 1/BLOCK_T of
+dq̂'s size (r = 4: 1/8, was 1/32). Warps by the rule "no spills, fewest registers" over 4 and 8: 8 both
+ways. Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
+benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
+changed):
 
-Shapes: x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32 -> out (b, l, r, h, n).
+                  r = 1, BLOCK_T = 32       r = 4, BLOCK_T = 8
+    forward       4 warps 116, 0 B          4 warps  96, 0 B
+                  8 warps  62, 0 B          8 warps  59, 0 B
+    backward      4 warps 255, 84 B         4 warps 255, 264 B
+                  8 warps 184, 0 B          8 warps 194, 0 B
+
+The two-launch version compiled the same way: forward 116 (r = 1) and 124 (r = 4) registers at 4 warps;
+backward 214 (k̂'s) and 228 (q̂'s, adding into dθ) registers at 4 warps at r = 1, 128 registers and 168 B
+spilled each at 8 warps at r = 4. Smaller tiles cost fewer registers (r = 1, BLOCK_T = 16: 168 at 4 warps,
+108 at 8) and twice the partials. None of this is timed on a GPU: re-time.
+
+Shapes: q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a) fp32
+-> q̂, k̂ (b, l, r, h, n).
 """
 from __future__ import annotations
 
@@ -35,130 +55,172 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-BLOCK_T = 32
+
+ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
+NUM_WARPS = 8       # both ways (the module docstring's figures)
+
+
+def tiles(r):
+    """(BLOCK_R, BLOCK_T) for rank r: every rank, BLOCK_R · BLOCK_T = ROWS rows (BLOCK_T at least 1)."""
+    block_r = triton.next_power_of_2(r)
+    return block_r, max(ROWS // block_r, 1)
 
 
 @triton.jit
-def _pairs(rows, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """(BLOCK_T, 2·BLOCK_N2) rows read contiguously -> their even and odd elements, each (BLOCK_T, BLOCK_N2)."""
-    return tl.split(tl.reshape(rows, (BLOCK_T, BLOCK_N2, 2)))
+def _pairs(rows, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """(BLOCK_R, BLOCK_T, 2·BLOCK_N2) rows read contiguously -> their even and odd elements, each
+    (BLOCK_R, BLOCK_T, BLOCK_N2)."""
+    return tl.split(tl.reshape(rows, (BLOCK_R, BLOCK_T, BLOCK_N2, 2)))
 
 
 @triton.jit
-def _rows(even, odd, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """The inverse of :func:`_pairs`: interleave even and odd elements back into (BLOCK_T, 2·BLOCK_N2) rows."""
-    return tl.reshape(tl.join(even, odd), (BLOCK_T, 2 * BLOCK_N2))
+def _rows(even, odd, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """The inverse of :func:`_pairs`: interleave even and odd elements back into (BLOCK_R, BLOCK_T, 2·BLOCK_N2)."""
+    return tl.reshape(tl.join(even, odd), (BLOCK_R, BLOCK_T, 2 * BLOCK_N2))
 
 
 @triton.jit
-def rotary_fwd_kernel(
-    x_ptr,            # (T, r, g, n) T = b·l positions
-    bias_ptr,         # (h, r, n) fp32
-    theta_ptr,        # (T, h, a) fp32
-    out_ptr,          # (T, r, h, n) out
+def _turn(x_ptr, bias_ptr, out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin,
+          BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """out = Rot(θ) (x + bias) for one of q, k: a (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tile."""
+    x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(bias_ptr + bias_off, mask=mask_rc, other=0.0)
+    x0, x1 = _pairs(x, BLOCK_R, BLOCK_T, BLOCK_N2)
+    out = _rows(x0 * cos - x1 * sin, x0 * sin + x1 * cos, BLOCK_R, BLOCK_T, BLOCK_N2)
+    tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rotary_qk_fwd_kernel(
+    q_ptr, k_ptr,           # (T, r, g, n) T = b·l positions
+    q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
+    theta_ptr,              # (T, h, a) fp32
+    q_out_ptr, k_out_ptr,   # (T, r, h, n) out
     T, h, g, n, a,
-    R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
     grp = hd // (h // g)
+    offs_r = tl.arange(0, BLOCK_R)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_i = tl.arange(0, BLOCK_N2)                  # pairs
     offs_c = tl.arange(0, 2 * BLOCK_N2)              # elements of a row: pair c // 2
     mask_t = offs_t < T
-    mask = mask_t[:, None] & (offs_c < n)[None, :]
-    rows = offs_t[:, None].to(tl.int64)
-    # pairs past a (and padding) load θ = 0: cos 1, sin 0, they pass unturned
-    th = tl.load(theta_ptr + (rows * h + hd) * a + offs_i[None, :], mask=mask_t[:, None] & (offs_i < a)[None, :],
-                 other=0.0)
-    cos = tl.cos(th)
-    sin = tl.sin(th)
-    for r in tl.static_range(R):
-        # whole rows, read and written contiguously; the pairs are split apart in registers
-        x = tl.load(x_ptr + ((rows * R + r) * g + grp) * n + offs_c[None, :], mask=mask, other=0.0).to(tl.float32)
-        x += tl.load(bias_ptr + (hd * R + r) * n + offs_c, mask=offs_c < n, other=0.0)[None, :]
-        x0, x1 = _pairs(x, BLOCK_T, BLOCK_N2)
-        out = _rows(x0 * cos - x1 * sin, x0 * sin + x1 * cos, BLOCK_T, BLOCK_N2)
-        tl.store(out_ptr + ((rows * R + r) * h + hd) * n + offs_c[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    mask_rc = (offs_r < R)[:, None, None] & (offs_c < n)[None, None, :]
+    mask = mask_rc & mask_t[None, :, None]
+    pos = offs_t.to(tl.int64)
+    # pairs past a (and padding) load θ = 0: cos 1, sin 0, they pass unturned; once for q, k and every rank
+    th = tl.load(theta_ptr + (pos[:, None] * h + hd) * a + offs_i[None, :],
+                 mask=mask_t[:, None] & (offs_i < a)[None, :], other=0.0)
+    cos = tl.cos(th)[None, :, :]
+    sin = tl.sin(th)[None, :, :]
+    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
+    src = (rows * g + grp) * n + offs_c[None, None, :]
+    dst = (rows * h + hd) * n + offs_c[None, None, :]
+    bias_off = (hd * R + offs_r[:, None, None]) * n + offs_c[None, None, :]
+    _turn(q_ptr, q_bias_ptr, q_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+    _turn(k_ptr, k_bias_ptr, k_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
 
 
-def rotary_fwd(x, bias, theta, out_dtype):
-    """Launch the forward. x (b, l, r, g, n) contiguous; bias (h, r, n) fp32; theta (b, l, h, a) fp32
-    -> (b, l, r, h, n) in ``out_dtype``."""
-    b, l, r, g, n = x.shape
-    h, a = bias.shape[0], theta.shape[-1]
-    out = torch.empty(b, l, r, h, n, device=x.device, dtype=out_dtype)
+def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype):
+    """Launch the forward. q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
+    fp32 -> (q̂, k̂), each (b, l, r, h, n) in ``out_dtype``."""
+    b, l, r, g, n = q.shape
+    h, a = q_bias.shape[0], theta.shape[-1]
+    q_out = torch.empty(b, l, r, h, n, device=q.device, dtype=out_dtype)
+    k_out = torch.empty_like(q_out)
     T = b * l
-    rotary_fwd_kernel[(triton.cdiv(T, BLOCK_T), h)](
-        x, bias, theta, out, T, h, g, n, a,
-        R=r, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
-    return out
+    block_r, block_t = tiles(r)
+    rotary_qk_fwd_kernel[(triton.cdiv(T, block_t), h)](
+        q, k, q_bias, k_bias, theta, q_out, k_out, T, h, g, n, a,
+        R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+        num_warps=NUM_WARPS)
+    return q_out, k_out
 
 
 @triton.jit
-def rotary_bwd_kernel(
-    x_ptr,            # (T, r, g, n) the forward's input
-    bias_ptr,         # (h, r, n) fp32
-    theta_ptr,        # (T, h, a) fp32
-    dout_ptr,         # (T, r, h, n)
-    dx_ptr,           # (T, r, g, n) fp32 out
-    dbias_ptr,        # (programs along T, h, r, n) fp32 out: partials
-    dtheta_ptr,       # (T, h, a) fp32 out (with ACCUMULATE: in and out)
+def _turn_back(dout_ptr, dst, x, bias, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_N2: tl.constexpr):
+    """For one of q, k at one head: (dx̃ = Rot(-θ) dout (BLOCK_R, BLOCK_T, 2·BLOCK_N2), dθ's term summed over
+    ranks (BLOCK_T, BLOCK_N2))."""
+    x0, x1 = _pairs(x.to(tl.float32) + bias, BLOCK_R, BLOCK_T, BLOCK_N2)
+    d = tl.load(dout_ptr + dst, mask=mask, other=0.0)
+    d0, d1 = _pairs(d.to(tl.float32), BLOCK_R, BLOCK_T, BLOCK_N2)
+    dth = tl.sum(d1 * (x0 * cos - x1 * sin) - d0 * (x0 * sin + x1 * cos), axis=0)
+    return _rows(d0 * cos + d1 * sin, d1 * cos - d0 * sin, BLOCK_R, BLOCK_T, BLOCK_N2), dth
+
+
+@triton.jit
+def rotary_qk_bwd_kernel(
+    q_ptr, k_ptr,           # (T, r, g, n) the forward's inputs
+    q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
+    theta_ptr,              # (T, h, a) fp32
+    dq_out_ptr, dk_out_ptr, # (T, r, h, n) dq̂, dk̂
+    dq_ptr, dk_ptr,         # (T, r, g, n) fp32 out
+    dbias_ptr,              # (2, programs along T, h, r, n) fp32 out: partials, q's then k's
+    dtheta_ptr,             # (T, h, a) fp32 out
     T, h, g, n, a,
-    R: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
     e = h // g                                                     # heads per group
+    offs_r = tl.arange(0, BLOCK_R)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_i = tl.arange(0, BLOCK_N2)
     offs_c = tl.arange(0, 2 * BLOCK_N2)
     mask_t = offs_t < T
-    mask_c = offs_c < n
-    mask = mask_t[:, None] & mask_c[None, :]
+    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
+    mask = mask_rc[:, None, :] & mask_t[None, :, None]
     mask_a = mask_t[:, None] & (offs_i < a)[None, :]
-    rows = offs_t[:, None].to(tl.int64)
-    for r in tl.static_range(R):
-        src = ((rows * R + r) * g + grp) * n + offs_c[None, :]
-        xr = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
-        dx = tl.zeros((BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-        for j in range(0, e):                                      # the group's heads, in order
-            hd = grp * e + j
-            th_off = (rows * h + hd) * a + offs_i[None, :]
-            th = tl.load(theta_ptr + th_off, mask=mask_a, other=0.0)
-            cos = tl.cos(th)
-            sin = tl.sin(th)
-            x0, x1 = _pairs(xr + tl.load(bias_ptr + (hd * R + r) * n + offs_c, mask=mask_c, other=0.0)[None, :],
-                            BLOCK_T, BLOCK_N2)
-            d = tl.load(dout_ptr + ((rows * R + r) * h + hd) * n + offs_c[None, :], mask=mask, other=0.0)
-            d0, d1 = _pairs(d.to(tl.float32), BLOCK_T, BLOCK_N2)
-            dth = d1 * (x0 * cos - x1 * sin) - d0 * (x0 * sin + x1 * cos)
-            if r > 0 or ACCUMULATE:                                # ranks in order: add to the earlier ones
-                dth += tl.load(dtheta_ptr + th_off, mask=mask_a, other=0.0)
-            tl.store(dtheta_ptr + th_off, dth, mask=mask_a)
-            hx = _rows(d0 * cos + d1 * sin, d1 * cos - d0 * sin, BLOCK_T, BLOCK_N2)   # Rot(-θ) dout: dx̃
-            part = dbias_ptr + ((pid_t * h + hd) * R + r) * n + offs_c
-            tl.store(part, tl.sum(hx, axis=0), mask=mask_c)        # padding rows are 0 (masked loads)
-            dx += hx
-        tl.store(dx_ptr + src, dx, mask=mask)
+    pos = offs_t.to(tl.int64)
+    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
+    src = (rows * g + grp) * n + offs_c[None, None, :]
+    xq = tl.load(q_ptr + src, mask=mask, other=0.0)                # kept in their dtype across the heads
+    xk = tl.load(k_ptr + src, mask=mask, other=0.0)
+    dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    # this program's dbias partials for head hd at part + hd·r·n, (BLOCK_R, 2·BLOCK_N2); k's after all of q's
+    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
+    k_part = tl.num_programs(0).to(tl.int64) * h * R * n
+    for j in range(0, e):                                          # the group's heads, in order
+        hd = grp * e + j
+        th_off = (pos[:, None] * h + hd) * a + offs_i[None, :]
+        th = tl.load(theta_ptr + th_off, mask=mask_a, other=0.0)
+        cos = tl.cos(th)[None, :, :]                               # once for q, k and every rank
+        sin = tl.sin(th)[None, :, :]
+        dst = (rows * h + hd) * n + offs_c[None, None, :]
+        bias_off = (hd * R + offs_r[:, None]) * n + offs_c[None, :]
+        bias = tl.load(q_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]
+        hq, dth = _turn_back(dq_out_ptr, dst, xq, bias, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+        tl.store(part + hd * R * n, tl.sum(hq, axis=1), mask=mask_rc)   # padding rows are 0 (masked loads)
+        dxq += hq
+        bias = tl.load(k_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]
+        hk, dth_k = _turn_back(dk_out_ptr, dst, xk, bias, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+        tl.store(part + k_part + hd * R * n, tl.sum(hk, axis=1), mask=mask_rc)
+        dxk += hk
+        tl.store(dtheta_ptr + th_off, dth + dth_k, mask=mask_a)   # written once: no read-modify-write
+    tl.store(dq_ptr + src, dxq, mask=mask)
+    tl.store(dk_ptr + src, dxk, mask=mask)
 
 
-def rotary_bwd(dout, x, bias, theta, dtheta=None):
-    """Launch the backward. dout (b, l, r, h, n) contiguous, any float dtype (the scan's fp32 gradient is read
-    as it is); dtheta (b, l, h, a) fp32 contiguous to add this dθ into (the other of q̂, k̂), or None
-    -> (dx (b, l, r, g, n) fp32, dbias (h, r, n) fp32, dtheta (b, l, h, a) fp32: the given one, or new)."""
-    b, l, r, g, n = x.shape
-    h, a = bias.shape[0], theta.shape[-1]
+def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta):
+    """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's fp32
+    gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs
+    -> (dq, dk (b, l, r, g, n) fp32, dq_bias, dk_bias (h, r, n) fp32, dtheta (b, l, h, a) fp32)."""
+    b, l, r, g, n = q.shape
+    h, a = q_bias.shape[0], theta.shape[-1]
     T = b * l
-    blocks = triton.cdiv(T, BLOCK_T)
-    f32 = dict(device=x.device, dtype=torch.float32)
-    dx = torch.empty(b, l, r, g, n, **f32)
-    partials = torch.empty(blocks, h, r, n, **f32)
-    accumulate = dtheta is not None
-    dtheta = dtheta if accumulate else torch.empty(b, l, h, a, **f32)
-    rotary_bwd_kernel[(blocks, g)](
-        x, bias, theta, dout, dx, partials, dtheta, T, h, g, n, a,
-        R=r, ACCUMULATE=accumulate, BLOCK_T=BLOCK_T, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-        num_warps=8 if r >= 4 else 4)
-    return dx, sum_partials(partials, dim=0), dtheta
+    block_r, block_t = tiles(r)
+    blocks = triton.cdiv(T, block_t)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dq, dk = torch.empty(b, l, r, g, n, **f32), torch.empty(b, l, r, g, n, **f32)
+    partials = torch.empty(2, blocks, h, r, n, **f32)
+    dtheta = torch.empty(b, l, h, a, **f32)
+    rotary_qk_bwd_kernel[(blocks, g)](
+        q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials, dtheta, T, h, g, n, a,
+        R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+        num_warps=NUM_WARPS)
+    dbias = sum_partials(partials, dim=1)                          # (2, h, r, n): q's, k's
+    return dq, dk, dbias[0], dbias[1], dtheta
