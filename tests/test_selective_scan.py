@@ -181,7 +181,7 @@ def test_sum_partials_is_a_left_fold(P):
 
 # ---------------------------------------------------------------- bad input: clear errors, no launch
 def _valid():
-    return make_inputs(2, 4, 3, 8, None, device="cpu")
+    return make_inputs(2, 4, 3, 8, None, device=KERNEL_DEVICE)
 
 
 @pytest.mark.parametrize("change, exc, words", [
@@ -190,13 +190,13 @@ def _valid():
     (lambda x: x.update(A=x["A"][:3]), ValueError, "A must have shape (d, n)"),
     (lambda x: x.update(B=x["B"][:1]), ValueError, "B must have shape"),
     (lambda x: x.update(C=x["C"][:, :2]), ValueError, "C must have shape"),
-    (lambda x: x.update(D=torch.ones(3)), ValueError, "D must have shape (d,)"),
+    (lambda x: x.update(D=torch.ones(3, device=KERNEL_DEVICE)), ValueError, "D must have shape (d,)"),
     (lambda x: x.update(z=x["z"][:1]), ValueError, "z must have shape"),
-    (lambda x: x.update(delta_bias=torch.ones(4, 1)), ValueError, "delta_bias must have shape"),
-    (lambda x: x.update(B=torch.randn(2, 3, 3, 8), C=torch.randn(2, 3, 3, 8)), ValueError, "must divide the channels"),
+    (lambda x: x.update(delta_bias=torch.ones(4, 1, device=KERNEL_DEVICE)), ValueError, "delta_bias must have shape"),
+    (lambda x: x.update(B=torch.randn(2, 3, 3, 8, device=KERNEL_DEVICE), C=torch.randn(2, 3, 3, 8, device=KERNEL_DEVICE)), ValueError, "must divide the channels"),
     (lambda x: x.update(u=x["u"].to(torch.int32)), TypeError, "u must have dtype"),
     (lambda x: x.update(A=torch.complex(x["A"], x["A"])), TypeError, "A must be real"),
-    (lambda x: x.update(B=x["B"].numpy()), TypeError, "B must be a torch.Tensor"),
+    (lambda x: x.update(B=x["B"].cpu().numpy()), TypeError, "B must be a torch.Tensor"),
     (lambda x: x.update(D=x["D"].to("meta")), ValueError, "D is on meta"),
     (lambda x: x["delta"].__setitem__((0, 0, 0), math.nan), ValueError, "delta contains NaN"),
 ])

@@ -271,7 +271,7 @@ def test_tile_rule():
 
 # ---------------------------------------------------------------- bad input: clear errors, no launch
 def _valid():
-    return make_inputs(2, 8, 4, 4, 2, 4, D="h", device="cpu")
+    return make_inputs(2, 8, 4, 4, 2, 4, D="h", device=KERNEL_DEVICE)
 
 
 @pytest.mark.parametrize("change, exc, words", [
@@ -280,15 +280,15 @@ def _valid():
     (lambda x: x.update(A=x["A"][:3]), ValueError, r"A must have shape \(h,\)"),
     (lambda x: x.update(B=x["B"][:1]), ValueError, "B must have shape"),
     (lambda x: x.update(C=x["C"][..., :2]), ValueError, "C must have shape"),
-    (lambda x: x.update(B=torch.randn(2, 8, 3, 4), C=torch.randn(2, 8, 3, 4)), ValueError, "must divide the heads"),
-    (lambda x: x.update(D=torch.ones(3)), ValueError, r"D must have shape \(h,\) or \(h, p\)"),
-    (lambda x: x.update(D=torch.ones(4, 3)), ValueError, r"D must have shape \(h, p\)"),
+    (lambda x: x.update(B=torch.randn(2, 8, 3, 4, device=KERNEL_DEVICE), C=torch.randn(2, 8, 3, 4, device=KERNEL_DEVICE)), ValueError, "must divide the heads"),
+    (lambda x: x.update(D=torch.ones(3, device=KERNEL_DEVICE)), ValueError, r"D must have shape \(h,\) or \(h, p\)"),
+    (lambda x: x.update(D=torch.ones(4, 3, device=KERNEL_DEVICE)), ValueError, r"D must have shape \(h, p\)"),
     (lambda x: x.update(z=x["z"][:1]), ValueError, "z must have shape"),
-    (lambda x: x.update(dt_bias=torch.ones(4, 1)), ValueError, "dt_bias must have shape"),
-    (lambda x: x.update(initial_states=torch.ones(2, 4, 4, 5)), ValueError, "initial_states must have shape"),
+    (lambda x: x.update(dt_bias=torch.ones(4, 1, device=KERNEL_DEVICE)), ValueError, "dt_bias must have shape"),
+    (lambda x: x.update(initial_states=torch.ones(2, 4, 4, 5, device=KERNEL_DEVICE)), ValueError, "initial_states must have shape"),
     (lambda x: x.update(x=x["x"].to(torch.int32)), TypeError, "x must have dtype"),
     (lambda x: x.update(A=torch.complex(x["A"], x["A"])), TypeError, "A must be real"),
-    (lambda x: x.update(B=x["B"].numpy()), TypeError, "B must be a torch.Tensor"),
+    (lambda x: x.update(B=x["B"].cpu().numpy()), TypeError, "B must be a torch.Tensor"),
     (lambda x: x.update(D=x["D"].to("meta")), ValueError, "D is on meta"),
     (lambda x: x["dt"].__setitem__((0, 0, 0), math.nan), ValueError, "dt contains NaN"),
     (lambda x: x.update(chunk_size=24), ValueError, "chunk_size must be a power of two"),
