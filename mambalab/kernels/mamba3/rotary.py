@@ -28,8 +28,14 @@ are (position block, head), backward programs (position block, group). Every ran
 dθ's sum over ranks stays in registers and cos, sin serve every rank; the backward holds q's and k's dx
 tiles (and q, k themselves) across the group's heads, so a tile covers fewer positions as r grows: at r = 1
 the 32 positions of the two-launch version, at r = 4 eight, which makes the dbias partials 1/BLOCK_T of
-dq̂'s size (r = 4: 1/8, was 1/32). Warps by the rule "no spills, fewest registers" over 4 and 8: 8 both
-ways. Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
+dq̂'s size (r = 4: 1/8, was 1/32). Warps: 8 for the forward, 4 for the backward, timed on an H200 (b4 l4096 h32
+g1 n128 a32, one process, benchmarks/results/README.md): the backward took 0.595 ms at 4 warps against 0.783
+at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it spills (below) and at 8 it does not
+(one 8-warp program fills an SM's registers, so only 8 warps are resident: too few to hide the loads'
+latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651 against 0.599). Splitting
+a group's heads over several backward programs (more programs, per-chunk dq/dk partials) did not help
+(0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the program count, limits it.
+Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
 benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
 changed):
 
@@ -42,7 +48,7 @@ changed):
 The two-launch version compiled the same way: forward 116 (r = 1) and 124 (r = 4) registers at 4 warps;
 backward 214 (k̂'s) and 228 (q̂'s, adding into dθ) registers at 4 warps at r = 1, 128 registers and 168 B
 spilled each at 8 warps at r = 4. Smaller tiles cost fewer registers (r = 1, BLOCK_T = 16: 168 at 4 warps,
-108 at 8) and twice the partials. None of this is timed on a GPU: re-time.
+108 at 8) and twice the partials. Register figures are from the compiler; the times above are the ones measured.
 
 Shapes: q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a) fp32
 -> q̂, k̂ (b, l, r, h, n).
@@ -57,7 +63,8 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-NUM_WARPS = 8       # both ways (the module docstring's figures)
+NUM_WARPS = 8       # forward (the module docstring's figures)
+BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
 
 
 def tiles(r):
@@ -221,6 +228,6 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta):
     rotary_qk_bwd_kernel[(blocks, g)](
         q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials, dtheta, T, h, g, n, a,
         R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-        num_warps=NUM_WARPS)
+        num_warps=BWD_NUM_WARPS)
     dbias = sum_partials(partials, dim=1)                          # (2, h, r, n): q's, k's
     return dq, dk, dbias[0], dbias[1], dtheta
