@@ -1,0 +1,163 @@
+"""Every kernel launch of every op compiles for sm_90, checked on a machine without a GPU.
+
+The CPU tests run the kernels through Triton's interpreter, which never compiles them: a kernel the GPU's
+compiler rejects (an annotated global ``LOG2E: tl.constexpr = 1.44`` is a NameError there) passes them all.
+Here each op runs forward and backward at small shapes (and at the benchmarks' tiles) with its launches
+recorded instead of run (:func:`mambalab.aot.record_launches`, as a GPU launch would specialise them, bf16
+kept bf16), and every distinct launch is compiled for sm_90 by Triton's compiler in one child process with
+the interpreter off (:func:`mambalab.aot.compile_in_subprocess`, with an empty Triton cache so that nothing
+is reused); a failure names the launch and shows Triton's error. Each launch must also fit in sm_90's
+shared memory.
+A last test checks that the recorded launches cover every kernel in the package, so that a new kernel
+cannot slip past. On a GPU this file is skipped: the other tests compile every kernel there for real."""
+import ast
+import contextlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import mambalab
+from mambalab import aot, device
+from mambalab.determinism.experiments import atomic_sum
+from mambalab.ops import mamba3_chunk_scan, mamba3_step, selective_scan, ssd_chunk_scan, ssd_chunk_scan_forward
+from mambalab.ref.mamba3 import zero_state
+
+from conftest import make_mamba3_inputs, make_ssd_inputs
+
+pytestmark = pytest.mark.skipif(not device.interpreter_active(),
+                                reason="records launches through Triton's interpreter (a machine without a GPU); "
+                                       "on a GPU the other tests compile every kernel for real")
+ARCH = 90
+SHARED_MEMORY = 232448   # bytes a program may use on sm_90 (227 KiB); Triton refuses to launch a kernel needing more
+
+
+def _backward(out):
+    """Backward from ``out`` (a tensor, or a tuple of them) with ones, through every float leaf."""
+    outs = [t for t in (out if isinstance(out, tuple) else (out,)) if t.requires_grad]
+    torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+
+def _leaves(inputs: dict) -> dict:
+    return {k: (t.requires_grad_() if isinstance(t, torch.Tensor) and t.is_floating_point() else t)
+            for k, t in inputs.items()}
+
+
+def _selective_scan(dtype, g=None, extras=True, l=200):
+    # l=200: the backward walks two blocks of 128 steps (a count of one would become a constexpr)
+    b, d, n = 2, 8, 16
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=gen).to(dtype).requires_grad_()
+    bc = (b, n, l) if g is None else (b, g, n, l)
+    opt = dict(D=r(d).float(), z=r(b, d, l), delta_bias=r(d).float(), delta_softplus=True) if extras else {}
+    _backward(selective_scan(r(b, d, l), r(b, d, l), -torch.rand(d, n).requires_grad_(), r(*bc), r(*bc), **opt,
+                             return_last_state=True))
+
+
+def _ssd(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
+    x = _leaves(make_ssd_inputs(2, 2 * chunk, h, p, g, n, D="hp", dtype=dtype, param_dtype=torch.float32))
+    _backward(ssd_chunk_scan(**x, chunk_size=chunk, dt_softplus=True, return_final_states=True, reduction=reduction))
+
+
+def _ssd_forward(dtype):
+    x = make_ssd_inputs(2, 64, 4, 16, 1, 16, D="h", z=False, dtype=dtype, param_dtype=torch.float32)
+    ssd_chunk_scan_forward(**x, chunk_size=16)
+
+
+def _mamba3(r, dtype=torch.bfloat16, p=16, n=16, a=4, chunk=None):
+    chunk = chunk or (16 if r == 1 else 8)    # chunk · r >= 16
+    x = _leaves(make_mamba3_inputs(2, 2 * chunk, 4, p, 2, n, r, a, init=True, dtype=dtype))
+    _backward(mamba3_chunk_scan(**x, chunk_size=chunk, return_final_state=True)[0])
+
+
+def _mamba3_step(r, dtype=torch.bfloat16, p=16, n=16, a=4):
+    x = make_mamba3_inputs(2, 1, 4, p, 2, n, r, a, dtype=dtype)
+    token = {k: (t[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else t) for k, t in x.items()}
+    with torch.no_grad():
+        mamba3_step(zero_state(2, 4, p, n, r, a, torch.float32, "cpu"), **token)
+
+
+def _atomic_sum():
+    # nothing ran, so the programs' landing order cannot be chained from the (unwritten) results
+    with contextlib.suppress(RuntimeError):
+        atomic_sum(torch.randn(64), block=16)
+
+
+# Small shapes (small tiles, quick to compile), each op's options on; then the benchmarks' tiles ("gpu-tiles":
+# the selective scan's 512-step blocks; SSD at p=64, n=128, q=256; Mamba-3 MIMO at p=64, n=128, q=16, r=4),
+# where sm_90's compiler takes other paths (wgmma for the larger dots) and shared memory is largest.
+CASES = {
+    "selective_scan-fp32": lambda: _selective_scan(torch.float32),
+    "selective_scan-bf16": lambda: _selective_scan(torch.bfloat16),
+    "selective_scan-bf16-grouped": lambda: _selective_scan(torch.bfloat16, g=2),
+    "selective_scan-fp32-plain": lambda: _selective_scan(torch.float32, extras=False),
+    "selective_scan-bf16-gpu-tiles": lambda: _selective_scan(torch.bfloat16, l=1024),
+    "ssd_chunk_scan-bf16": lambda: _ssd(torch.bfloat16),
+    "ssd_chunk_scan-fp32": lambda: _ssd(torch.float32),
+    "ssd_chunk_scan-bf16-atomic": lambda: _ssd(torch.bfloat16, "atomic"),
+    "ssd_chunk_scan-bf16-gpu-tiles": lambda: _ssd(torch.bfloat16, h=2, p=64, g=1, n=128, chunk=256),
+    "ssd_chunk_scan_forward-bf16": lambda: _ssd_forward(torch.bfloat16),
+    "mamba3_chunk_scan-r1": lambda: _mamba3(1),
+    "mamba3_chunk_scan-r4": lambda: _mamba3(4),
+    "mamba3_chunk_scan-r4-fp32": lambda: _mamba3(4, torch.float32),
+    "mamba3_chunk_scan-r4-gpu-tiles": lambda: _mamba3(4, p=64, n=128, a=32, chunk=16),
+    "mamba3_step-r1": lambda: _mamba3_step(1),
+    "mamba3_step-r4": lambda: _mamba3_step(4),
+    "mamba3_step-r4-gpu-tiles": lambda: _mamba3_step(4, p=64, n=128, a=32),
+    "atomic_sum": _atomic_sum,
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """Each case's launches, and the outcome of compiling each distinct launch (keyed by Launch.key())."""
+    launches = {case: aot.record_launches(run) for case, run in CASES.items()}
+    distinct = list({launch.key(): launch for case in launches.values() for launch in case}.values())
+    results = aot.compile_in_subprocess(distinct, ARCH, cache_dir=tmp_path_factory.mktemp("triton_cache"))
+    return launches, {c.launch.key(): c for c in results}
+
+
+def _describe(launch: aot.Launch) -> str:
+    settings = {**launch.options, **{k: v for k, v in launch.constexprs.items() if k.isupper()}}
+    return f"{launch.kernel} ({', '.join(f'{k}={v}' for k, v in settings.items())})"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_launch_compiles_for_sm90(compiled, case):
+    launches, results = compiled
+    assert launches[case], f"{case} launched no kernel"
+    outcomes = [results[launch.key()] for launch in launches[case]]
+    failed = [c for c in outcomes if c.error]
+    if failed:   # Triton's message says where and why; pytest's own rendering of the list would bury it
+        pytest.fail(f"{len(failed)} of {len(outcomes)} launches of {case} do not compile for sm_{ARCH}:\n\n"
+                    + "\n\n".join(f"{_describe(c.launch)}:\n{c.error}" for c in failed), pytrace=False)
+    too_big = [f"{_describe(c.launch)}: {c.shared} bytes" for c in outcomes if c.shared > SHARED_MEMORY]
+    assert not too_big, f"launches of {case} that need more shared memory than sm_{ARCH} has ({SHARED_MEMORY} " \
+        "bytes), so they would fail to launch:\n" + "\n".join(too_big)
+
+
+def _kernels_in_package() -> set[str]:
+    """Every ``@triton.jit`` function of mambalab that is a kernel: launched somewhere in the package
+    (``name[grid](...)``), or named ``*_kernel``; as "module.name". Read from the source, importing nothing."""
+    root = Path(mambalab.__file__).parent
+    jitted, launched = {}, set()
+    for path in sorted(root.rglob("*.py")):
+        module = ".".join(path.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef) and any(
+                    ast.unparse(d).split("(")[0] in ("triton.jit", "jit") for d in node.decorator_list):
+                jitted.setdefault(node.name, set()).add(f"{module}.{node.name}")
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                target = node.func.value    # kernel[grid](...) or module.kernel[grid](...)
+                launched.add(getattr(target, "id", None) or getattr(target, "attr", None))
+    return {full for name, fulls in jitted.items() if name in launched or name.endswith("_kernel") for full in fulls}
+
+
+def test_recorded_launches_cover_every_kernel(compiled):
+    launches, _ = compiled
+    recorded = {launch.kernel for case in launches.values() for launch in case}
+    kernels = _kernels_in_package()
+    assert "mambalab.kernels.reduce.sum_partials_kernel" in kernels, f"the search found only {sorted(kernels)}"
+    missing = kernels - recorded
+    assert not missing, (f"kernels that no case of {__name__} launches, so nothing checks that they compile for "
+                         f"a GPU: {sorted(missing)}; add a case to CASES that launches them")
