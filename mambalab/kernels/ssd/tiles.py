@@ -72,8 +72,9 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     1.63 ms in bf16 at (64 positions, 4 warps) against 2.77 ms at the previous rule's (32, 8), 2.11 at
     (64, 8), 1.80 at (32, 4), 2.63 at (16, 4); in fp32 3.24 ms at (32, 4), 4.69 at (32, 8), 4.89 at (64, 4).
     Register use is at or near 255 a thread in every variant, so an SM runs 8 warps either way; what
-    changes is how many positions each program's dots cover. The chosen bf16 backward spills (72 B in the
-    rows kernel, 776 B in the columns kernel, benchmarks/ptxas_ssd.py) and was still the fastest.
+    changes is how many positions each program's dots cover. The chosen bf16 backward spills (68 B in the
+    rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which since session 6
+    specialises g = 1 to a constant as a launch does) and was still the fastest.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
