@@ -7,8 +7,9 @@
   kernels as a rank-expanded SSD (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums over
   programs through ``reduction``, and the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`), which
   takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
-  (b, l, h, r, p) is built for it). The step weights, those coefficients (their scores from small matmuls over
-  n) and the rank inputs v ⊙ W^V are PyTorch around the kernels, differentiated by autograd (no atomics, no
+  (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r' come out of the rotary forward and
+  their gradient goes into the rotary backward. The step weights, the coefficients formed from those scores
+  and the rank inputs v ⊙ W^V are PyTorch around the kernels, differentiated by autograd (no atomics, no
   index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
@@ -27,7 +28,7 @@ from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
-                                 entering_state, rank_inputs, step_weights, within_step_scores)
+                                 entering_state, rank_inputs, step_weights)
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _STEP_CHECKS = validate.SignatureCache()
@@ -78,39 +79,42 @@ class AngleFn(torch.autograd.Function):
 
 
 class Mamba3ScanFn(torch.autograd.Function):
-    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂ and k̂ in
-    one launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
-    (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch).
+    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ and the
+    within-step scores q̂_r · k̂_r' in one launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their
+    backwards (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one
+    launch, the scores' gradient included).
     One Function, so that the scan's fp32 dB, dC go straight into the rotary backward (with q̂, k̂ the outputs
     of a Function of their own, autograd would cast those gradients to q̂'s dtype in between, a pass over each).
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
-    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32). The SSD's B = k̂ and C = q̂ are
-    (b, l·r, h, n) in x's dtype.
+    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32, scores (b, l, h, r, r') fp32). The SSD's
+    B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
     def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, initial, r, chunk_size, reduction):
-        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
+        q_hat, k_hat, scores = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype,
+                                                      with_scores=True)       # one launch, (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
         fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
         ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, fwd.delta, fwd.cs, fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
-        return fwd.y, fwd.final
+        return fwd.y, fwd.final, scores
 
     @staticmethod
-    def backward(ctx, dy, dfinal):
+    def backward(ctx, dy, dfinal, dscores):
         q, k, q_bias, k_bias, theta, B, C, x, delta, cs, entering = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, entering, ctx.tiles)
         g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
+        dscores = None if dscores is None else dscores.float().contiguous()
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
-                                                                   theta)     # fp32 dC, dB read as they are
+                                                                   theta, dscores)   # fp32 dC, dB as they are
         return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
                 None, None, None)
 
@@ -174,11 +178,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
     x = v_r.flatten(1, 2).to(kd).contiguous()                                 # (b, l·r, h, p)
-    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
-                                  x, adt.contiguous(), sigma.contiguous(),
-                                  None if entering0 is None else entering0.contiguous(), r, chunk_size,
-                                  reduction)
-    scores = within_step_scores(q.float(), k.float(), q_bias, k_bias)         # (b, l, h, r, r')
+    # scores: q̂_{t,r} · k̂_{t,r'} (b, l, h, r, r') fp32, from the rotary kernel
+    y, final, scores = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(),
+                                          theta, x, adt.contiguous(), sigma.contiguous(),
+                                          None if entering0 is None else entering0.contiguous(), r, chunk_size,
+                                          reduction)
     # MIMO: the kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (b, l, h, r, p) from these for their tile;
     # SISO: M = c_{0,0} q̂·k̂ + D, one number per position and head, with D added here
     coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
