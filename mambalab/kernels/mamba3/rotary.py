@@ -192,6 +192,27 @@ def _turn_back(dout_ptr, dst, xt, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T
 
 
 @triton.jit
+def _group_block(dbias_ptr, T, h, g, n, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_N2: tl.constexpr):
+    """What a backward program (position block, group) addresses: its ranks, its positions and their mask, the
+    masks of its (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tiles, the group's rows of q, k (src), and its dbias partials'
+    (BLOCK_R, 2·BLOCK_N2) tile for head 0 (head hd's at + hd·r·n)."""
+    pid_t = tl.program_id(0)
+    grp = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, 2 * BLOCK_N2)
+    mask_t = offs_t < T
+    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
+    mask = mask_rc[:, None, :] & mask_t[None, :, None]
+    pos = offs_t.to(tl.int64)
+    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
+    src = (rows * g + grp) * n + offs_c[None, None, :]
+    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
+    return grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part
+
+
+@triton.jit
 def rotary_scores_bwd_kernel(
     q_ptr, k_ptr,           # (T, r, g, n) the forward's inputs
     q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
@@ -205,23 +226,13 @@ def rotary_scores_bwd_kernel(
     per head, summed over the group's heads (in order) into dq, dk and over positions as dbias partials. A
     kernel of its own: fused into rotary_qk_bwd_kernel's loop, or as a loop before it, it made the compiler
     spill 4-10x as much there (sm_90, benchmarks/ptxas_ssd.py --op mamba3)."""
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
-    e = h // g
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_c = tl.arange(0, 2 * BLOCK_N2)
-    mask_t = offs_t < T
-    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
-    mask = mask_rc[:, None, :] & mask_t[None, :, None]
-    pos = offs_t.to(tl.int64)
-    rows = pos[None, :, None] * R + offs_r[:, None, None]
-    src = (rows * g + grp) * n + offs_c[None, None, :]
+    grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
+    e = h // g                                                     # heads per group
     xq = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
     xk = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
     dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
     dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
     for j in range(0, e):                                          # the group's heads, in order
         hd = grp * e + j
@@ -253,20 +264,11 @@ def rotary_qk_bwd_kernel(
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_DS: tl.constexpr,   # dq, dk hold the scores' terms on entry (added to, not overwritten)
 ):
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
+    grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
     e = h // g                                                     # heads per group
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_i = tl.arange(0, BLOCK_N2)
-    offs_c = tl.arange(0, 2 * BLOCK_N2)
-    mask_t = offs_t < T
-    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
-    mask = mask_rc[:, None, :] & mask_t[None, :, None]
+    offs_i = tl.arange(0, BLOCK_N2)                                # pairs
     mask_a = mask_t[:, None] & (offs_i < a)[None, :]
-    pos = offs_t.to(tl.int64)
-    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
-    src = (rows * g + grp) * n + offs_c[None, None, :]
     xq = tl.load(q_ptr + src, mask=mask, other=0.0)                # kept in their dtype across the heads
     xk = tl.load(k_ptr + src, mask=mask, other=0.0)
     if HAS_DS:   # start from the scores' terms, which rotary_scores_bwd_kernel wrote where dq, dk go
@@ -275,8 +277,6 @@ def rotary_qk_bwd_kernel(
     else:
         dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
         dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    # this program's dbias partials for head hd at part + hd·r·n, (BLOCK_R, 2·BLOCK_N2); k's after all of q's
-    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
     for j in range(0, e):                                          # the group's heads, in order
         hd = grp * e + j
