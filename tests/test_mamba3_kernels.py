@@ -15,7 +15,7 @@ from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cu
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_outputs, zero_state)
+                                 mamba3_step_ref, rank_outputs, within_step_scores, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -166,10 +166,12 @@ def test_angle_cumsum_kernel(a, init):
     (4, 1, 4, 16, 3, 1, 13),     # 8 positions a block: two blocks, one partial
     (8, 2, 2, 16, 8, 1, 7),      # 4 positions a block
 ])
-def test_rotary_qk_kernel(r, g, h, n, a, b, l):
-    """q̂ and k̂ in one launch each way: forward against biased_rotated for each, backward (dq, dk summed over a
-    group's heads, dbias over positions, dθ over ranks and over q and k) against autograd through both at once;
-    bf16 dq̂, dk̂ read as their fp32 values."""
+@pytest.mark.parametrize("scores", [False, True])
+def test_rotary_qk_kernel(r, g, h, n, a, b, l, scores):
+    """q̂ and k̂ in one launch each way: forward against biased_rotated for each (and, with ``scores``, the
+    within-step scores against within_step_scores), backward (dq, dk summed over a group's heads, dbias over
+    positions, dθ over ranks and over q and k, with ``scores`` the scores' gradient added) against autograd
+    through all of them at once; bf16 dq̂, dk̂ read as their fp32 values."""
     gen = torch.Generator().manual_seed(r)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     q, k, q_bias, k_bias, theta = rnd(b, l, r, g, n), rnd(b, l, r, g, n), rnd(h, r, n), rnd(h, r, n), rnd(b, l, h, a)
@@ -178,12 +180,21 @@ def test_rotary_qk_kernel(r, g, h, n, a, b, l):
         t.requires_grad_(True)
     q_want, k_want = biased_rotated(q, q_bias, theta), biased_rotated(k, k_bias, theta)   # (b, l, r, h, n)
     dq_out, dk_out = rnd(*q_want.shape), rnd(*k_want.shape)
-    want = torch.autograd.grad((q_want * dq_out).sum() + (k_want * dk_out).sum(), leaves_)
+    loss = (q_want * dq_out).sum() + (k_want * dk_out).sum()
     dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    q_got, k_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32)
+    if scores:
+        s_want = within_step_scores(q, k, q_bias, k_bias)                    # (b, l, h, r, r')
+        ds = rnd(*s_want.shape)
+        loss = loss + (s_want * ds).sum()
+        q_got, k_got, s_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32,
+                                            with_scores=True)
+        assert_close(s_got, s_want, "scores", 1e-5)
+    else:
+        q_got, k_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32)
+    want = torch.autograd.grad(loss, leaves_)
     assert_close(q_got, q_want, "q̂", 1e-6)
     assert_close(k_got, k_want, "k̂", 1e-6)
-    got = rotary_qk_bwd(dev(dq_out), dev(dk_out), *map(dev, leaves_))
+    got = rotary_qk_bwd(dev(dq_out), dev(dk_out), *map(dev, leaves_), dev(ds) if scores else None)
     for name, g_, w in zip(("dq", "dk", "dq_bias", "dk_bias", "dθ"), got, want):
         assert g_.dtype == torch.float32 and g_.shape == w.shape, name
         assert_close(g_, w, name, 1e-5)

@@ -7,9 +7,11 @@
   kernels as a rank-expanded SSD (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums over
   programs through ``reduction``, and the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`), which
   takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
-  (b, l, h, r, p) is built for it). The step weights, those coefficients (their scores from small matmuls over
-  n) and the rank inputs v ⊙ W^V are PyTorch around the kernels, differentiated by autograd (no atomics, no
-  index_add).
+  (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r': for SISO they come out of the
+  rotary forward and their gradient goes into the rotary backward (:data:`FUSED_SCORES_RANKS`); for MIMO they
+  are small matmuls over n (:func:`~mambalab.ref.mamba3.within_step_scores`). The step weights, the
+  coefficients formed from those scores and the rank inputs v ⊙ W^V are PyTorch around the kernels,
+  differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -31,6 +33,13 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, corr
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _STEP_CHECKS = validate.SignatureCache()
+# Ranks whose within-step scores come out of the rotary kernels. H200, b4 l4096 h32 p64 n128 bf16 (session 7,
+# call 1; benchmarks/results/README.md): at r = 1 the fused path ran SISO forward+backward in 3.30 ms, 1.16×
+# mamba-ssm's time in the same process, where the matmul path took 4.54 ms (4.16 in session 6's call 15): one
+# small kernel instead of 12 bmm + 4 gemv and their host work. At r = 4 the rotary forward with r² scores per
+# head took 1.79 ms of kernel time instead of 0.65 and the scores' backward 1.10 ms: MIMO r = 4 went from
+# 15.9 to 17.3 ms, so MIMO keeps the matmuls.
+FUSED_SCORES_RANKS = (1,)
 _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
           "mimo_o")
 
@@ -78,39 +87,43 @@ class AngleFn(torch.autograd.Function):
 
 
 class Mamba3ScanFn(torch.autograd.Function):
-    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂ and k̂ in
-    one launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
-    (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch).
+    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ and, for
+    the ranks in :data:`FUSED_SCORES_RANKS`, the within-step scores q̂_r · k̂_r' in one launch) and
+    :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
+    (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch, the
+    scores' gradient included).
     One Function, so that the scan's fp32 dB, dC go straight into the rotary backward (with q̂, k̂ the outputs
     of a Function of their own, autograd would cast those gradients to q̂'s dtype in between, a pass over each).
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
-    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32). The SSD's B = k̂ and C = q̂ are
-    (b, l·r, h, n) in x's dtype.
+    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32[, scores (b, l, h, r, r') fp32]). The SSD's
+    B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
     def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, initial, r, chunk_size, reduction):
-        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
+        q_hat, k_hat, *scores = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype,  # one launch,
+                                                       with_scores=r in FUSED_SCORES_RANKS)   # (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
         fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
         ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, fwd.delta, fwd.cs, fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
-        return fwd.y, fwd.final
+        return (fwd.y, fwd.final, *scores)
 
     @staticmethod
-    def backward(ctx, dy, dfinal):
+    def backward(ctx, dy, dfinal, dscores=None):
         q, k, q_bias, k_bias, theta, B, C, x, delta, cs, entering = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, entering, ctx.tiles)
         g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
+        dscores = None if dscores is None else dscores.float().contiguous()
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
-                                                                   theta)     # fp32 dC, dB read as they are
+                                                                   theta, dscores)   # fp32 dC, dB as they are
         return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
                 None, None, None)
 
@@ -174,11 +187,12 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
     x = v_r.flatten(1, 2).to(kd).contiguous()                                 # (b, l·r, h, p)
-    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
-                                  x, adt.contiguous(), sigma.contiguous(),
-                                  None if entering0 is None else entering0.contiguous(), r, chunk_size,
-                                  reduction)
-    scores = within_step_scores(q.float(), k.float(), q_bias, k_bias)         # (b, l, h, r, r')
+    y, final, *scores = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(),
+                                           k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
+                                           None if entering0 is None else entering0.contiguous(), r, chunk_size,
+                                           reduction)
+    # scores: q̂_{t,r} · k̂_{t,r'} (b, l, h, r, r') fp32, from the rotary kernel or (MIMO) small matmuls
+    scores = scores[0] if scores else within_step_scores(q.float(), k.float(), q_bias, k_bias)
     # MIMO: the kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (b, l, h, r, p) from these for their tile;
     # SISO: M = c_{0,0} q̂·k̂ + D, one number per position and head, with D added here
     coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')

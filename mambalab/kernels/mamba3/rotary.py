@@ -12,11 +12,27 @@ Backward, from dout (the rotation is orthogonal, so its transpose turns back by 
     dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
     dθ[t, h, i] = Σ_r (dq̂_{2i+1} q̂_{2i} - dq̂_{2i} q̂_{2i+1})  +  Σ_r (dk̂_{2i+1} k̂_{2i} - dk̂_{2i} k̂_{2i+1})
 
-One launch each way for q and k: a program loads θ and evaluates cos θ, sin θ once per (position block,
-head) and uses them for q and k and every rank; the backward sums dθ over ranks and over q and k in
-registers and writes it once. The sum over a group's heads stays inside a program (heads in order); the sum
-over positions for dbias is a reduction across programs: per-program partials, q's and k's in one buffer,
-folded by one :func:`mambalab.kernels.reduce.sum_partials` (never atomics).
+With ``with_scores`` the forward also writes the within-step scores the op's correction needs (one number
+per position, head and pair of ranks; a rotation keeps dot products, so they are those of the unrotated x̃):
+
+    s[t, h, r, r'] = q̂_{t,r} · k̂_{t,r'} = q̃_{t,r} · k̃_{t,r'}
+
+and the backward adds their gradient ds to the unrotated gradients before anything is summed (no dθ term):
+
+    dq̃_r += Σ_{r'} ds[r, r'] k̃_{r'},   dk̃_{r'} += Σ_r ds[r, r'] q̃_r
+
+The forward's scores cost no pass over q and k of their own; their backward is a kernel of its own
+(:func:`rotary_scores_bwd_kernel`, which writes its terms where dq and dk go; the rotary backward then adds to
+them), because fused into the rotary backward it made the compiler spill 4-10x as much there. In PyTorch the
+scores were a dozen small matmuls each way (bmm and gemv: 0.35 ms of GPU time per SISO step in an H200
+profile at b4 l4096 h32).
+
+One launch each way for q and k (the scores' backward aside): a program loads θ and evaluates cos θ, sin θ
+once per (position block, head) and uses them for q and k and every rank; the backward sums dθ over ranks
+and over q and k in registers and writes it once. The sum over a group's heads stays inside a program (heads
+in order); the sum over positions for dbias is a reduction across programs: per-program partials, q's and
+k's (and the scores' terms) in one buffer, folded by one :func:`mambalab.kernels.reduce.sum_partials`
+(never atomics).
 
 The outputs are written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
 
@@ -63,7 +79,7 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-NUM_WARPS = 8       # forward (the module docstring's figures)
+NUM_WARPS = 8       # forward, and the scores' backward (no spills at 8: 166 registers at r = 1, 190 at r = 4)
 BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
 
 
@@ -89,12 +105,21 @@ def _rows(even, odd, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.
 @triton.jit
 def _turn(x_ptr, bias_ptr, out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin,
           BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """out = Rot(θ) (x + bias) for one of q, k: a (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tile."""
+    """out = Rot(θ) x̃ with x̃ = x + bias, for one of q, k: a (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tile; returns x̃."""
     x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(bias_ptr + bias_off, mask=mask_rc, other=0.0)
     x0, x1 = _pairs(x, BLOCK_R, BLOCK_T, BLOCK_N2)
     out = _rows(x0 * cos - x1 * sin, x0 * sin + x1 * cos, BLOCK_R, BLOCK_T, BLOCK_N2)
     tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
+def _score_offsets(pos, hd, h, offs_r, mask_t, R: tl.constexpr):
+    """Addresses and mask of the (BLOCK_R, BLOCK_R, BLOCK_T) tile s[t, hd, r, r'] of a (T, h, r, r') array."""
+    off = ((pos[None, None, :] * h + hd) * R + offs_r[:, None, None]) * R + offs_r[None, :, None]
+    mask = (offs_r < R)[:, None, None] & (offs_r < R)[None, :, None] & mask_t[None, None, :]
+    return off, mask
 
 
 @triton.jit
@@ -103,8 +128,10 @@ def rotary_qk_fwd_kernel(
     q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
     theta_ptr,              # (T, h, a) fp32
     q_out_ptr, k_out_ptr,   # (T, r, h, n) out
+    scores_ptr,             # (T, h, r, r') fp32 out (SCORES)
     T, h, g, n, a,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    SCORES: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
@@ -126,36 +153,102 @@ def rotary_qk_fwd_kernel(
     src = (rows * g + grp) * n + offs_c[None, None, :]
     dst = (rows * h + hd) * n + offs_c[None, None, :]
     bias_off = (hd * R + offs_r[:, None, None]) * n + offs_c[None, None, :]
-    _turn(q_ptr, q_bias_ptr, q_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
-    _turn(k_ptr, k_bias_ptr, k_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+    qt = _turn(q_ptr, q_bias_ptr, q_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+    kt = _turn(k_ptr, k_bias_ptr, k_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+    if SCORES:   # q̃_r · k̃_r' for every pair of ranks: (BLOCK_R, BLOCK_R', BLOCK_T)
+        s = tl.sum(qt[:, None, :, :] * kt[None, :, :, :], axis=3)
+        s_off, s_mask = _score_offsets(pos, hd, h, offs_r, mask_t, R)
+        tl.store(scores_ptr + s_off, s, mask=s_mask)
 
 
-def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype):
+def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype, with_scores=False):
     """Launch the forward. q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
-    fp32 -> (q̂, k̂), each (b, l, r, h, n) in ``out_dtype``."""
+    fp32 -> (q̂, k̂), each (b, l, r, h, n) in ``out_dtype``; with ``with_scores`` (q̂, k̂, s) with the
+    within-step scores s (b, l, h, r, r') fp32."""
     b, l, r, g, n = q.shape
     h, a = q_bias.shape[0], theta.shape[-1]
     q_out = torch.empty(b, l, r, h, n, device=q.device, dtype=out_dtype)
     k_out = torch.empty_like(q_out)
+    scores = torch.empty(b, l, h, r, r, device=q.device, dtype=torch.float32) if with_scores else None
     T = b * l
     block_r, block_t = tiles(r)
     rotary_qk_fwd_kernel[(triton.cdiv(T, block_t), h)](
-        q, k, q_bias, k_bias, theta, q_out, k_out, T, h, g, n, a,
+        q, k, q_bias, k_bias, theta, q_out, k_out, scores, T, h, g, n, a,
         R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-        num_warps=NUM_WARPS)
-    return q_out, k_out
+        SCORES=with_scores, num_warps=NUM_WARPS)
+    return (q_out, k_out, scores) if with_scores else (q_out, k_out)
 
 
 @triton.jit
-def _turn_back(dout_ptr, dst, x, bias, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+def _turn_back(dout_ptr, dst, xt, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                BLOCK_N2: tl.constexpr):
-    """For one of q, k at one head: (dx̃ = Rot(-θ) dout (BLOCK_R, BLOCK_T, 2·BLOCK_N2), dθ's term summed over
-    ranks (BLOCK_T, BLOCK_N2))."""
-    x0, x1 = _pairs(x.to(tl.float32) + bias, BLOCK_R, BLOCK_T, BLOCK_N2)
+    """For one of q, k at one head, from x̃ = x + bias: (dx̃ = Rot(-θ) dout (BLOCK_R, BLOCK_T, 2·BLOCK_N2), dθ's
+    term summed over ranks (BLOCK_T, BLOCK_N2))."""
+    x0, x1 = _pairs(xt, BLOCK_R, BLOCK_T, BLOCK_N2)
     d = tl.load(dout_ptr + dst, mask=mask, other=0.0)
     d0, d1 = _pairs(d.to(tl.float32), BLOCK_R, BLOCK_T, BLOCK_N2)
     dth = tl.sum(d1 * (x0 * cos - x1 * sin) - d0 * (x0 * sin + x1 * cos), axis=0)
     return _rows(d0 * cos + d1 * sin, d1 * cos - d0 * sin, BLOCK_R, BLOCK_T, BLOCK_N2), dth
+
+
+@triton.jit
+def _group_block(dbias_ptr, T, h, g, n, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+                 BLOCK_N2: tl.constexpr):
+    """What a backward program (position block, group) addresses: its ranks, its positions and their mask, the
+    masks of its (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tiles, the group's rows of q, k (src), and its dbias partials'
+    (BLOCK_R, 2·BLOCK_N2) tile for head 0 (head hd's at + hd·r·n)."""
+    pid_t = tl.program_id(0)
+    grp = tl.program_id(1)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_c = tl.arange(0, 2 * BLOCK_N2)
+    mask_t = offs_t < T
+    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
+    mask = mask_rc[:, None, :] & mask_t[None, :, None]
+    pos = offs_t.to(tl.int64)
+    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
+    src = (rows * g + grp) * n + offs_c[None, None, :]
+    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
+    return grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part
+
+
+@triton.jit
+def rotary_scores_bwd_kernel(
+    q_ptr, k_ptr,           # (T, r, g, n) the forward's inputs
+    q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
+    dscores_ptr,            # (T, h, r, r') fp32
+    dq_ptr, dk_ptr,         # (T, r, g, n) fp32 out: the scores' terms, summed over the group's heads
+    dbias_ptr,              # (programs along T, h, r, n) fp32 out: q's partials; k's k_part_stride further
+    T, h, g, n, k_part_stride,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+):
+    """The scores' part of the backward (rotation-free): dq̃_r = Σ_r' ds[r, r'] k̃_r', dk̃_r' = Σ_r ds[r, r'] q̃_r
+    per head, summed over the group's heads (in order) into dq, dk and over positions as dbias partials. A
+    kernel of its own: fused into rotary_qk_bwd_kernel's loop, or as a loop before it, it made the compiler
+    spill 4-10x as much there (sm_90, benchmarks/ptxas_ssd.py --op mamba3)."""
+    grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
+    e = h // g                                                     # heads per group
+    xq = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    xk = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
+    for j in range(0, e):                                          # the group's heads, in order
+        hd = grp * e + j
+        bias_off = (hd * R + offs_r[:, None]) * n + offs_c[None, :]
+        qt = xq + tl.load(q_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # q̃
+        kt = xk + tl.load(k_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # k̃
+        s_off, s_mask = _score_offsets(pos, hd, h, offs_r, mask_t, R)
+        ds = tl.load(dscores_ptr + s_off, mask=s_mask, other=0.0)[:, :, :, None]   # (BLOCK_R, BLOCK_R', BLOCK_T, 1)
+        sq = tl.sum(ds * kt[None, :, :, :], axis=1)
+        sk = tl.sum(ds * qt[:, None, :, :], axis=0)
+        tl.store(part + hd * R * n, tl.sum(sq, axis=1), mask=mask_rc)
+        tl.store(part + k_part + hd * R * n, tl.sum(sk, axis=1), mask=mask_rc)
+        dxq += sq
+        dxk += sk
+    tl.store(dq_ptr + src, dxq, mask=mask)
+    tl.store(dk_ptr + src, dxk, mask=mask)
 
 
 @triton.jit
@@ -165,32 +258,26 @@ def rotary_qk_bwd_kernel(
     theta_ptr,              # (T, h, a) fp32
     dq_out_ptr, dk_out_ptr, # (T, r, h, n) dq̂, dk̂
     dq_ptr, dk_ptr,         # (T, r, g, n) fp32 out
-    dbias_ptr,              # (2, programs along T, h, r, n) fp32 out: partials, q's then k's
+    dbias_ptr,              # (programs along T, h, r, n) fp32 out: q's partials; k's k_part_stride further
     dtheta_ptr,             # (T, h, a) fp32 out
-    T, h, g, n, a,
+    T, h, g, n, a, k_part_stride,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    HAS_DS: tl.constexpr,   # dq, dk hold the scores' terms on entry (added to, not overwritten)
 ):
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
+    grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
     e = h // g                                                     # heads per group
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_i = tl.arange(0, BLOCK_N2)
-    offs_c = tl.arange(0, 2 * BLOCK_N2)
-    mask_t = offs_t < T
-    mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
-    mask = mask_rc[:, None, :] & mask_t[None, :, None]
+    offs_i = tl.arange(0, BLOCK_N2)                                # pairs
     mask_a = mask_t[:, None] & (offs_i < a)[None, :]
-    pos = offs_t.to(tl.int64)
-    rows = pos[None, :, None] * R + offs_r[:, None, None]          # (BLOCK_R, BLOCK_T, 1): row t·r + rank
-    src = (rows * g + grp) * n + offs_c[None, None, :]
     xq = tl.load(q_ptr + src, mask=mask, other=0.0)                # kept in their dtype across the heads
     xk = tl.load(k_ptr + src, mask=mask, other=0.0)
-    dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    # this program's dbias partials for head hd at part + hd·r·n, (BLOCK_R, 2·BLOCK_N2); k's after all of q's
-    part = dbias_ptr + (pid_t.to(tl.int64) * h * R + offs_r[:, None]) * n + offs_c[None, :]
-    k_part = tl.num_programs(0).to(tl.int64) * h * R * n
+    if HAS_DS:   # start from the scores' terms, which rotary_scores_bwd_kernel wrote where dq, dk go
+        dxq = tl.load(dq_ptr + src, mask=mask, other=0.0)
+        dxk = tl.load(dk_ptr + src, mask=mask, other=0.0)
+    else:
+        dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+        dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
     for j in range(0, e):                                          # the group's heads, in order
         hd = grp * e + j
         th_off = (pos[:, None] * h + hd) * a + offs_i[None, :]
@@ -199,12 +286,12 @@ def rotary_qk_bwd_kernel(
         sin = tl.sin(th)[None, :, :]
         dst = (rows * h + hd) * n + offs_c[None, None, :]
         bias_off = (hd * R + offs_r[:, None]) * n + offs_c[None, :]
-        bias = tl.load(q_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]
-        hq, dth = _turn_back(dq_out_ptr, dst, xq, bias, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+        qt = xq.to(tl.float32) + tl.load(q_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # q̃
+        hq, dth = _turn_back(dq_out_ptr, dst, qt, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
         tl.store(part + hd * R * n, tl.sum(hq, axis=1), mask=mask_rc)   # padding rows are 0 (masked loads)
         dxq += hq
-        bias = tl.load(k_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]
-        hk, dth_k = _turn_back(dk_out_ptr, dst, xk, bias, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+        kt = xk.to(tl.float32) + tl.load(k_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # k̃
+        hk, dth_k = _turn_back(dk_out_ptr, dst, kt, mask, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
         tl.store(part + k_part + hd * R * n, tl.sum(hk, axis=1), mask=mask_rc)
         dxk += hk
         tl.store(dtheta_ptr + th_off, dth + dth_k, mask=mask_a)   # written once: no read-modify-write
@@ -212,9 +299,10 @@ def rotary_qk_bwd_kernel(
     tl.store(dk_ptr + src, dxk, mask=mask)
 
 
-def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta):
+def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
     """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's fp32
-    gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs
+    gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs; dscores: the within-step
+    scores' gradient (b, l, h, r, r') fp32 contiguous, or None
     -> (dq, dk (b, l, r, g, n) fp32, dq_bias, dk_bias (h, r, n) fp32, dtheta (b, l, h, a) fp32)."""
     b, l, r, g, n = q.shape
     h, a = q_bias.shape[0], theta.shape[-1]
@@ -223,11 +311,16 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta):
     blocks = triton.cdiv(T, block_t)
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dk = torch.empty(b, l, r, g, n, **f32), torch.empty(b, l, r, g, n, **f32)
-    partials = torch.empty(2, blocks, h, r, n, **f32)
+    # dbias partials (q's, k's) x (the rotation's terms, the scores' terms) x programs, folded in one pass
+    partials = torch.empty(2, 2 if dscores is not None else 1, blocks, h, r, n, **f32)
+    k_stride = partials.stride(0)
     dtheta = torch.empty(b, l, h, a, **f32)
+    tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
+    if dscores is not None:
+        rotary_scores_bwd_kernel[(blocks, g)](q, k, q_bias, k_bias, dscores, dq, dk, partials[0, 1], T, h, g, n,
+                                              k_stride, **tile, num_warps=NUM_WARPS)
     rotary_qk_bwd_kernel[(blocks, g)](
-        q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials, dtheta, T, h, g, n, a,
-        R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-        num_warps=BWD_NUM_WARPS)
-    dbias = sum_partials(partials, dim=1)                          # (2, h, r, n): q's, k's
+        q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
+        HAS_DS=dscores is not None, num_warps=BWD_NUM_WARPS)
+    dbias = sum_partials(partials.flatten(1, 2), dim=1)           # (2, h, r, n): q's, k's
     return dq, dk, dbias[0], dbias[1], dtheta
