@@ -10,7 +10,8 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
     - mambalab MIMO r=4 at the same h, p, n (so the same d_model and state size), chunk 64/r = 16 (mamba-ssm's
       recommendation) and chunk 64;
   distinct bit patterns of the gradients over ``--reps`` backward passes; the largest SISO differences from
-  mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run.
+  mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run; then ``--rounds``
+  alternating SISO forward+backward timings of both, and the median of their ratios.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time and the bytes it moves per step.
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -99,6 +101,16 @@ def compile_part(part: str, shape) -> None:
     torch.cuda.synchronize()
 
 
+def interleaved(x, mimo, dout, rounds):
+    """SISO forward+backward, mambalab then mamba-ssm, ``rounds`` times over: [{ours_ms, theirs_ms, ratio}]."""
+    out = []
+    for _ in range(rounds):
+        mine = time_ms(lambda: run(ours, x, mimo, 64, dout), rep=100)
+        rival = time_ms(lambda: run(theirs, x, mimo, 64, dout), rep=100)
+        out.append({"ours_ms": mine, "theirs_ms": rival, "ratio": mine / rival})
+    return out
+
+
 def decode(batch, h, p, g, n, a, r):
     """Time one mamba3_step; bytes = state in + state out + the token's inputs."""
     from mambalab.ops import mamba3_step
@@ -125,6 +137,9 @@ def main():
                     metavar=("B", "L", "H", "P", "G", "N", "A"))
     ap.add_argument("--reps", type=int, default=5, help="repeated backward passes for the bit-pattern count")
     ap.add_argument("--decode-batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating SISO forward+backward timings of mambalab and mamba-ssm, for a ratio from "
+                         "neighbouring times")
     ap.add_argument("--profile", action="store_true",
                     help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
@@ -186,6 +201,11 @@ def main():
         }
         ratios["siso_over_mamba_ssm_fwd_bwd"] = siso / scan["mamba_ssm_siso_c64"]["fwd_bwd_ms"]
         ratios["siso_over_mamba_ssm_fwd"] = scan["mambalab_siso_c64"]["fwd_ms"] / scan["mamba_ssm_siso_c64"]["fwd_ms"]
+        # The times above were taken minutes apart; both ops are short enough (~3 ms, dozens of launches) for
+        # the host's pace to show in them. Rounds that alternate the two give a ratio from neighbouring times.
+        rounds = interleaved(x1, m1, dout, args.rounds)
+        result["siso_interleaved_fwd_bwd"] = rounds
+        ratios["siso_over_mamba_ssm_fwd_bwd_interleaved_median"] = statistics.median(r["ratio"] for r in rounds)
     write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 

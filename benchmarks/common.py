@@ -46,14 +46,10 @@ def precompile_in_parallel(script: str, argv: list[str], parts: int) -> None:
 def keep_config_slice(module_prefix: str, part: str) -> None:
     """In this process, keep slice i of N (``part`` = "i/N") of the configurations of every Triton autotuner
     defined in the already imported modules whose names start with ``module_prefix``."""
-    import sys
-
-    from triton.runtime.autotuner import Autotuner
+    from mambalab import oracle
 
     i, parts = map(int, part.split("/"))
-    tuners = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith(module_prefix)
-              for v in vars(mod).values() if isinstance(v, Autotuner)}   # once each, also when imported elsewhere
-    for tuner in tuners.values():
+    for tuner in oracle.autotuners(module_prefix):
         if len(tuner.configs) > 1:
             tuner.configs = tuner.configs[i::parts] or [tuner.configs[i % len(tuner.configs)]]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import sys
 import types
+from contextlib import contextmanager
 from functools import lru_cache
 
 EXTENSION = "selective_scan_cuda"
@@ -85,3 +86,31 @@ def selective_scan_ref():
 def selective_scan_fn():
     """mamba-ssm's CUDA selective scan; calling it without the extension raises MambaCudaExtensionMissing."""
     return module("ops.selective_scan_interface").selective_scan_fn
+
+
+def autotuners(module_prefix: str) -> list:
+    """The Triton autotuners defined in the imported modules whose names start with ``module_prefix`` (e.g.
+    ``"mamba_ssm.ops.triton.mamba3"``), each once, also when another module imported it too."""
+    from triton.runtime.autotuner import Autotuner
+
+    found = {id(v): v for name, mod in list(sys.modules.items()) if name.startswith(module_prefix)
+             for v in vars(mod).values() if isinstance(v, Autotuner)}
+    return list(found.values())
+
+
+@contextmanager
+def first_configs_only(module_prefix: str = "mamba_ssm.ops.triton"):
+    """Within the block, every autotuner of :func:`autotuners` (``module_prefix``) tries only its first
+    configuration; they get all of them back afterwards. For numerical comparisons with mamba-ssm on a GPU:
+    its Mamba-3 kernels autotune over some 190 configurations, minutes of compiling and timing on a fresh
+    machine before the first result, and a comparison's tolerance holds whichever configuration runs. Import
+    the mamba-ssm modules first (:func:`module`): only autotuners already defined are narrowed."""
+    tuners = autotuners(module_prefix)
+    saved = [(t, t.configs) for t in tuners]
+    try:
+        for t in tuners:
+            t.configs = t.configs[:1]
+        yield tuners
+    finally:
+        for t, configs in saved:
+            t.configs = configs

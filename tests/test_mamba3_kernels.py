@@ -360,14 +360,15 @@ def test_gpu_siso_matches_mamba_ssm():
     ours_in = [q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z]
     for t in ours_in:
         t.requires_grad_(True)
-    theirs = siso(q, k, v, adt.transpose(1, 2), dt.transpose(1, 2), trap_raw.transpose(1, 2), q_bias, k_bias,
-                  ang_raw, D, z, chunk_size=64)
+    with oracle.first_configs_only("mamba_ssm.ops.triton.mamba3"):   # no minutes of autotuning first
+        theirs = siso(q, k, v, adt.transpose(1, 2), dt.transpose(1, 2), trap_raw.transpose(1, 2), q_bias, k_bias,
+                      ang_raw, D, z, chunk_size=64)
+        dy = torch.randn_like(theirs)
+        g_theirs = torch.autograd.grad((theirs * dy).sum(), ours_in)
     ours = mamba3_chunk_scan(q[:, :, None], k[:, :, None], v, adt, dt, torch.sigmoid(trap_raw), q_bias[:, None],
                              k_bias[:, None], math.pi * torch.tanh(ang_raw), D, z, chunk_size=64)
     assert_close(ours, theirs, "out vs mamba3_siso_combined", 3e-2)
-    dy = torch.randn_like(ours)
     g_ours = torch.autograd.grad((ours * dy).sum(), ours_in)
-    g_theirs = torch.autograd.grad((theirs * dy).sum(), ours_in)
     names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
     for name, go, gt in zip(names, g_ours, g_theirs):
         assert_close(go, gt, f"d {name} vs mamba3_siso_combined", 5e-2)
