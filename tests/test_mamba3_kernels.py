@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
-                                     rank_outputs_bwd, rank_outputs_fwd, rotary_qk_bwd, rotary_qk_fwd)
+                                     rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
+                                     rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_outputs, within_step_scores, zero_state)
+                                 mamba3_step_ref, rank_inputs, rank_outputs, within_step_scores, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -239,6 +240,34 @@ def test_rank_outputs_kernel(r, z, D):
     for name, want_grad in grads.items():
         assert got[name].shape == given[name].shape, name
         assert_close(got[name], want_grad, f"d{name}", 1e-5)
+
+
+@pytest.mark.parametrize("r", [2, 4, 8])
+def test_rank_inputs_kernel(r):
+    """x_r = v ⊙ W^V_r in one pass against ref.rank_inputs, and its backward (dv summed over ranks, dW^V over
+    positions by per-block partials) against autograd through it. T = 70 positions: two blocks, one partial;
+    p = 20 (a padded head); dx in bf16 is read as its fp32 values."""
+    T, h, p = 70, 3, 20
+    gen = torch.Generator().manual_seed(r)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    v, wv = rnd(T, h, p).requires_grad_(True), rnd(h, r, p).requires_grad_(True)
+    want = rank_inputs(v, wv, r)                                                 # (T, r, h, p)
+    dx = rnd(*want.shape)
+    dv_want, dwv_want = torch.autograd.grad((want * dx).sum(), (v, wv))
+    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
+    assert_close(rank_inputs_fwd(dev(v), dev(wv)), want, "x", 1e-6)
+    dv, dwv = rank_inputs_bwd(dev(dx), dev(v), dev(wv))
+    assert dv.shape == v.shape and dwv.shape == wv.shape and dwv.dtype == torch.float32
+    assert_close(dv, dv_want, "dv", 1e-6)
+    assert_close(dwv, dwv_want, "dW^V", 1e-6)
+    if KERNEL_DEVICE != "cpu":   # the interpreter computes in fp32 whatever the dtype
+        low = dev(dx).bfloat16()
+        for g_, w in zip(rank_inputs_bwd(low, dev(v), dev(wv)), rank_inputs_bwd(low.float(), dev(v), dev(wv))):
+            assert torch.equal(g_, w)
+    with pytest.raises(ValueError, match=r"dx must have the forward's output shape \(T, r, h, p\)"):
+        rank_inputs_bwd(dev(dx)[:-1], dev(v), dev(wv))
+    with pytest.raises(ValueError, match=r"W\^V \(h, r, p\) fp32"):
+        rank_inputs_fwd(dev(v), dev(wv)[:, :, :-1])
 
 
 # ---------------------------------------------------------------------------------------------- decode step

@@ -9,9 +9,10 @@
   takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
   (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r': for SISO they come out of the
   rotary forward and their gradient goes into the rotary backward (:data:`FUSED_SCORES_RANKS`); for MIMO they
-  are small matmuls over n (:func:`~mambalab.ref.mamba3.within_step_scores`). The step weights, the
-  coefficients formed from those scores and the rank inputs v ⊙ W^V are PyTorch around the kernels,
-  differentiated by autograd (no atomics, no index_add).
+  are small matmuls over n (:func:`~mambalab.ref.mamba3.within_step_scores`). MIMO's rank inputs v ⊙ W^V_r
+  are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights and the
+  coefficients formed from the scores are PyTorch around the kernels, differentiated by autograd (no atomics,
+  no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -29,7 +30,7 @@ from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
-                                 entering_state, rank_inputs, step_weights, within_step_scores)
+                                 entering_state, step_weights, within_step_scores)
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _STEP_CHECKS = validate.SignatureCache()
@@ -128,6 +129,22 @@ class Mamba3ScanFn(torch.autograd.Function):
                 None, None, None)
 
 
+class RankInputsFn(torch.autograd.Function):
+    """MIMO's rank inputs x_r = v ⊙ W^V_r: :func:`mambalab.kernels.mamba3.rank_inputs_fwd` / ``rank_inputs_bwd``
+    (dv and dW^V in one pass). v (T, h, p) contiguous in the kernels' dtype; wv (h, r, p) fp32 contiguous ->
+    x (T, r, h, p) in v's dtype."""
+
+    @staticmethod
+    def forward(ctx, v, wv):
+        ctx.save_for_backward(v, wv)
+        return _kernels.rank_inputs_fwd(v, wv)
+
+    @staticmethod
+    def backward(ctx, dx):
+        v, wv = ctx.saved_tensors
+        return _kernels.rank_inputs_bwd(dx.contiguous(), v, wv)
+
+
 class RankOutputsFn(torch.autograd.Function):
     """out = Σ_r W^O_r ⊙ (y_r + v ⊙ M_r) ⊙ silu(z ⊙ W^Z_r), M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r formed inside
     the kernels: :func:`mambalab.kernels.mamba3.rank_outputs_fwd` / ``rank_outputs_bwd``. y (T, r, h, p);
@@ -183,10 +200,13 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
 
     theta = AngleFn.apply(angles, dt.contiguous(),
                           None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
-    v_r = rank_inputs(v, mimo_v, r)                                           # (b, l, r, h, p)
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
-    x = v_r.flatten(1, 2).to(kd).contiguous()                                 # (b, l·r, h, p)
+    mimo = mimo_v is not None
+    T = b * l
+    # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
+    x = (RankInputsFn.apply(v.reshape(T, h, p).contiguous(), mimo_v.contiguous()).view(b, l * r, h, p) if mimo
+         else v.contiguous())
     y, final, *scores = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(),
                                            k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
                                            None if entering0 is None else entering0.contiguous(), r, chunk_size,
@@ -196,10 +216,8 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     # MIMO: the kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (b, l, h, r, p) from these for their tile;
     # SISO: M = c_{0,0} q̂·k̂ + D, one number per position and head, with D added here
     coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
-    mimo = mimo_v is not None
     if not mimo and D is not None:
         coef = coef + D[:, None, None]
-    T = b * l
     out = RankOutputsFn.apply(y.view(T, r, h, p), v.reshape(T, h, p).contiguous(),
                               None if z is None else z.reshape(T, h, p).contiguous(),
                               coef.reshape(T, h, r, r).contiguous(), mimo_v.contiguous() if mimo else None,
