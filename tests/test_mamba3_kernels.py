@@ -245,9 +245,9 @@ def test_rank_outputs_kernel(r, z, D):
 @pytest.mark.parametrize("r", [2, 4, 8])
 def test_rank_inputs_kernel(r):
     """x_r = v ⊙ W^V_r in one pass against ref.rank_inputs, and its backward (dv summed over ranks, dW^V over
-    positions by per-block partials) against autograd through it. T = 70 positions: two blocks, one partial;
-    p = 20 (a padded head); dx in bf16 is read as its fp32 values."""
-    T, h, p = 70, 3, 20
+    positions by per-block partials) against autograd through it. T = 150 positions: two blocks of 128, one
+    partial; p = 20 (a padded head); dx in bf16 is read as its fp32 values."""
+    T, h, p = 150, 3, 20
     gen = torch.Generator().manual_seed(r)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     v, wv = rnd(T, h, p).requires_grad_(True), rnd(h, r, p).requires_grad_(True)

@@ -29,12 +29,18 @@ program. Inside one, dc is gathered into a (BLOCK_T, r·r') tile written once; d
 c̃_rᵀ dM_r to with one fp32 dot ("ieee": no tf32 rounding), in a fixed order.
 
 Tile rule (shape only): programs are (block of BLOCK_T = 32 positions of the flattened b·l axis, head), each
-with the whole head dimension (BLOCK_P = next_pow2(p)); 8 warps from r = 4 on, else 4. The loops over ranks
-(and over r' inside them) are unrolled, so registers grow with r. sm_90, p = 64, no spills:
+with the whole head dimension (BLOCK_P = next_pow2(p)). Warps: the forward 8 from r = 4 on, else 4; the
+backward 4 up to r = 4, 8 at r = 8. The loops over ranks (and over r' inside them) are unrolled, so registers
+grow with r. sm_90, p = 64:
 
     r = 2 (4 warps)   forward 101 registers a thread, backward 248
-    r = 4 (8 warps)   forward 116, backward 185        (4 warps: the backward takes 255 and spills 16 B)
+    r = 4             forward 116 (8 warps); backward 255 and 16 B spilled (4 warps; 185 at 8 warps, no spill)
     r = 8 (8 warps)   forward 245, backward 198
+
+The backward's 4 warps at r = 4 despite the spill: in an H200 sweep (session 7, call 2; T = 16384, h = 32,
+bf16) it took 1.26 ms at 4 warps against 2.04 at 8 (one 8-warp program of 185 registers fills half an SM's
+register file, too few warps in flight to hide its loads); BLOCK_T 16 or 64 were no faster at their best
+warps (1.42, 1.33 ms). At r = 1 every tile in the sweep took 0.14 ms.
 
 (benchmarks/ptxas_ssd.py --op mamba3 --rank R, which compiles as a launch would, pointers and sizes marked
 divisible by 16). dW^V as r' tile accumulators instead of the dot took 254 registers at r = 4 and spilled 80 B
@@ -54,8 +60,10 @@ from mambalab.kernels.reduce import sum_partials
 BLOCK_T = 32
 
 
-def num_warps(r: int) -> int:
+def num_warps(r: int, backward: bool = False) -> int:
     """Warps a program, from the rank alone (see the module docstring)."""
+    if backward:
+        return 8 if r > 4 else 4
     return 8 if r >= 4 else 4
 
 
@@ -269,6 +277,6 @@ def rank_outputs_bwd(dout, y, v, z, coef, wv, D, wz, wo):
         y, v, z if z is not None else v, coef, or_dummy(wv), or_dummy(D), or_dummy(wz), or_dummy(wo), dout,
         dy, dv, dz if dz is not None else dv, dcoef, or_dummy(dwv), or_dummy(dwz), or_dummy(dwo), or_dummy(dD),
         T, h, p, R=r, MIMO=mimo, HAS_Z=z is not None, HAS_D=D is not None, BLOCK_T=BLOCK_T, BLOCK_P=block_p,
-        RJ=max(16, r), num_warps=num_warps(r))
+        RJ=max(16, r), num_warps=num_warps(r, backward=True))
     fold = lambda t: sum_partials(t, dim=0) if t is not None else None
     return dy, dv, dz, dcoef, fold(dwv), fold(dD), fold(dwz), fold(dwo)
