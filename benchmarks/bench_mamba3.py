@@ -11,9 +11,11 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
       recommendation) and chunk 64;
   distinct bit patterns of the gradients over ``--reps`` backward passes; the largest SISO differences from
   mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run; then ``--rounds``
-  alternating SISO forward+backward timings of both, and the median of their ratios.
+  alternating SISO forward+backward timings of both, and the median of their ratios; each side's SISO errors
+  against mambalab's fp64 reference; forward+backward replayed as CUDA graphs (GPU time without the host's
+  per-call work), SISO both sides and MIMO r=4.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
-  step), with its time and the bytes it moves per step.
+  step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
     python benchmarks/bench_mamba3.py --out DIR [--profile] [--precompile-rival N]   # writes DIR/bench_mamba3.json
 """
@@ -31,8 +33,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import mambalab  # noqa: E402,F401
-from common import (add_precompile_arguments, distinct_patterns, environment, keep_config_slice,  # noqa: E402
-                    precompile_in_parallel, profile_table, time_ms, write)
+from common import (add_precompile_arguments, distinct_patterns, environment, graph_ms,  # noqa: E402
+                    keep_config_slice, precompile_in_parallel, profile_table, time_ms, write)
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
 
@@ -122,12 +124,37 @@ def decode(batch, h, p, g, n, a, r):
     state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
     with torch.no_grad():
         ms = time_ms(lambda: mamba3_step(state, **tok, **mimo), warmup=10, rep=100)
+        try:   # the kernel's time without the host's per-call work (a decoding loop runs in a CUDA graph)
+            graphed = graph_ms(lambda: mamba3_step(state, **tok, **mimo))
+        except Exception as e:  # noqa: BLE001 - keep the eager time, say why there is no graph time
+            graphed = f"{type(e).__name__}: {e}"
     state_bytes = sum(t.numel() * 4 for t in state)
     token_bytes = sum(t.numel() * t.element_size() for t in tok.values()) + sum(t.numel() * 4 for t in mimo.values())
     moved = 2 * state_bytes + token_bytes
     flops = batch * h * (6 * r * p * n)   # β U_prev, γ U (2 r p n each, fused multiply-adds) and H q̂ per rank
-    return {"r": r, "batch": batch, "ms": ms, "bytes": moved, "GB_per_s": moved / ms / 1e6,
+    return {"r": r, "batch": batch, "ms": ms, "graph_ms": graphed, "bytes": moved, "GB_per_s": moved / ms / 1e6,
             "flops": flops, "flops_per_byte": flops / moved}
+
+
+def reference_errors(x, dout):
+    """SISO: the largest |error| of mambalab's and of mamba-ssm's output and gradients against mambalab's fp64
+    reference (ref.mamba3_chunked on the same inputs, sigmoid and π·tanh taken in fp64), relative to the
+    reference's largest magnitude. Says which side of a difference between the two is the error."""
+    from mambalab.ref.mamba3 import mamba3_chunked
+
+    leaves = {k: v.detach().double().requires_grad_(True) for k, v in x.items()}
+    want = mamba3_chunked(leaves["q"], leaves["k"], leaves["v"], leaves["adt"], leaves["dt"],
+                          torch.sigmoid(leaves["trap"]), leaves["q_bias"], leaves["k_bias"],
+                          math.pi * torch.tanh(leaves["angles"]), leaves["D"], leaves["z"], chunk_size=64)
+    want.backward(dout.double())
+    ref = {"out": want.detach(), **{k: v.grad for k, v in leaves.items()}}
+    del want, leaves
+    result = {}
+    for side, fn in (("mambalab", ours), ("mamba_ssm", theirs)):
+        out, grads = run(fn, x, {}, 64, dout)
+        got = {"out": out, **grads}
+        result[side] = {k: ((got[k].double() - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
+    return result
 
 
 def main():
@@ -206,6 +233,26 @@ def main():
         rounds = interleaved(x1, m1, dout, args.rounds)
         result["siso_interleaved_fwd_bwd"] = rounds
         ratios["siso_over_mamba_ssm_fwd_bwd_interleaved_median"] = statistics.median(r["ratio"] for r in rounds)
+        write(Path(args.out) / "bench_mamba3.json", result)
+        try:
+            result["siso_errors_vs_fp64_reference"] = reference_errors(x1, dout)
+        except Exception as e:  # noqa: BLE001
+            result["siso_errors_vs_fp64_reference"] = f"{type(e).__name__}: {e}"
+        write(Path(args.out) / "bench_mamba3.json", result)
+        # Last (a failed capture can leave the device unusable), the rival last of all: forward+backward as
+        # CUDA graphs, the host's per-call work gone, so what remains is the GPU time of each side's kernels.
+        graphed = {}
+        for name, fn, x, m, chunk in (("mambalab_siso_c64", ours, x1, m1, 64), ("mambalab_mimo4_c16", ours, x4, m4, 16),
+                                      ("mamba_ssm_siso_c64", theirs, x1, m1, 64)):
+            try:
+                graphed[name] = graph_ms(lambda: run(fn, x, m, chunk, dout))
+            except Exception as e:  # noqa: BLE001
+                graphed[name] = f"{type(e).__name__}: {e}"
+            print("graph", name, graphed[name], flush=True)
+        result["fwd_bwd_graph_ms"] = graphed
+        if all(isinstance(graphed[k], float) for k in graphed):
+            ratios["siso_over_mamba_ssm_fwd_bwd_graph"] = graphed["mambalab_siso_c64"] / graphed["mamba_ssm_siso_c64"]
+            ratios["mimo4_c16_over_siso_fwd_bwd_graph"] = graphed["mambalab_mimo4_c16"] / graphed["mambalab_siso_c64"]
     write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 

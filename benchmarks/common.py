@@ -18,6 +18,23 @@ def time_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def graph_ms(fn, warmup: int = 3) -> float:
+    """Median time of ``fn()`` in ms with the host out of the way: run ``warmup`` times on a side stream
+    (compiling, allocating), captured once in a CUDA graph, then the graph's replay timed by :func:`time_ms`.
+    What the GPU takes for ``fn``'s kernels back to back, as a decoding loop or a training step captured in a
+    graph would see it; ``fn`` must not synchronise with the host."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, warmup=10, rep=100)
+
+
 def add_precompile_arguments(parser) -> None:
     """``--precompile-rival N`` (the user's) and ``--compile-part i/N`` (what :func:`precompile_in_parallel`
     passes to each of its processes)."""
