@@ -205,8 +205,8 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     mimo = mimo_v is not None
     T = b * l
     # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
-    x = (RankInputsFn.apply(v.reshape(T, h, p).contiguous(), mimo_v.contiguous()).view(b, l * r, h, p) if mimo
-         else v.contiguous())
+    v_rows = v.reshape(T, h, p).contiguous()                                  # (T, h, p)
+    x = RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p) if mimo else v_rows.view(b, l, h, p)
     y, final, *scores = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(),
                                            k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
                                            None if entering0 is None else entering0.contiguous(), r, chunk_size,
@@ -218,7 +218,7 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
     if not mimo and D is not None:
         coef = coef + D[:, None, None]
-    out = RankOutputsFn.apply(y.view(T, r, h, p), v.reshape(T, h, p).contiguous(),
+    out = RankOutputsFn.apply(y.view(T, r, h, p), v_rows,
                               None if z is None else z.reshape(T, h, p).contiguous(),
                               coef.reshape(T, h, r, r).contiguous(), mimo_v.contiguous() if mimo else None,
                               D.contiguous() if mimo and D is not None else None,

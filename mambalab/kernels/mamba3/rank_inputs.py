@@ -28,22 +28,11 @@ import torch
 import triton
 import triton.language as tl
 
+from mambalab.kernels.mamba3.rank_outputs import program_tile
 from mambalab.kernels.reduce import sum_partials
 
 BLOCK_T = 128
 NUM_WARPS = 4
-
-
-@triton.jit
-def _tile(v_ptr, pid_t, hd, T, h, p, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """A program's rows (int64), head-dimension offsets and masks, and its v tile in fp32."""
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_p = tl.arange(0, BLOCK_P)
-    mask_p = offs_p < p
-    mask = (offs_t < T)[:, None] & mask_p[None, :]
-    rows = offs_t[:, None].to(tl.int64)
-    v = tl.load(v_ptr + (rows * h + hd) * p + offs_p[None, :], mask=mask, other=0.0).to(tl.float32)
-    return rows, offs_p, mask_p, mask, v
 
 
 @triton.jit
@@ -56,7 +45,8 @@ def rank_inputs_fwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    rows, offs_p, mask_p, mask, v = _tile(v_ptr, pid_t, hd, T, h, p, BLOCK_T, BLOCK_P)
+    _, rows, offs_p, mask_p, _, mask, _, v, _ = program_tile(v_ptr, v_ptr, pid_t, hd, T, h, p, False, BLOCK_T,
+                                                             BLOCK_P)
     for r in range(R):
         w = tl.load(wv_ptr + (hd * R + r) * p + offs_p, mask=mask_p, other=0.0)[None, :]
         tl.store(x_ptr + ((rows * R + r) * h + hd) * p + offs_p[None, :], (v * w).to(x_ptr.dtype.element_ty),
@@ -75,14 +65,15 @@ def rank_inputs_bwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    rows, offs_p, mask_p, mask, v = _tile(v_ptr, pid_t, hd, T, h, p, BLOCK_T, BLOCK_P)
+    _, rows, offs_p, mask_p, _, mask, hp, v, _ = program_tile(v_ptr, v_ptr, pid_t, hd, T, h, p, False, BLOCK_T,
+                                                              BLOCK_P)
     dv = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     for r in range(R):
         w = tl.load(wv_ptr + (hd * R + r) * p + offs_p, mask=mask_p, other=0.0)[None, :]
         dx = tl.load(dx_ptr + ((rows * R + r) * h + hd) * p + offs_p[None, :], mask=mask, other=0.0).to(tl.float32)
         dv += dx * w
         tl.store(dwv_ptr + ((pid_t * h + hd) * R + r) * p + offs_p, tl.sum(dx * v, axis=0), mask=mask_p)
-    tl.store(dv_ptr + (rows * h + hd) * p + offs_p[None, :], dv.to(dv_ptr.dtype.element_ty), mask=mask)
+    tl.store(dv_ptr + hp, dv.to(dv_ptr.dtype.element_ty), mask=mask)
 
 
 def _grid(v, wv):

@@ -68,10 +68,10 @@ def num_warps(r: int, backward: bool = False) -> int:
 
 
 @triton.jit
-def _program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z: tl.constexpr, BLOCK_T: tl.constexpr,
+def program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z: tl.constexpr, BLOCK_T: tl.constexpr,
                   BLOCK_P: tl.constexpr):
     """A program's positions and head dimensions, their masks and offsets into (T, h, p), and its v and z
-    tiles in fp32 (z = 0 without a gate)."""
+    tiles in fp32 (z = 0 without a gate). Also the tile of :mod:`mambalab.kernels.mamba3.rank_inputs`."""
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_p = tl.arange(0, BLOCK_P)
     mask_p = offs_p < p
@@ -142,7 +142,7 @@ def rank_outputs_fwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    offs_t, rows, offs_p, mask_p, mask_t, mask, hp, v, z = _program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z,
+    offs_t, rows, offs_p, mask_p, mask_t, mask, hp, v, z = program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z,
                                                                           BLOCK_T, BLOCK_P)
     d = 0.0
     if HAS_D:
@@ -173,7 +173,7 @@ def rank_outputs_bwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    offs_t, rows, offs_p, mask_p, mask_t, mask, hp, v, z = _program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z,
+    offs_t, rows, offs_p, mask_p, mask_t, mask, hp, v, z = program_tile(v_ptr, z_ptr, pid_t, hd, T, h, p, HAS_Z,
                                                                           BLOCK_T, BLOCK_P)
     dout = tl.load(dout_ptr + hp, mask=mask, other=0.0).to(tl.float32)
     d = 0.0
