@@ -8,7 +8,7 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
     - mamba-ssm ``mamba3_siso_combined`` (chunk 64);
     - mambalab ``mamba3_chunk_scan`` SISO (r=1, chunk 64);
     - mambalab MIMO r=4 at the same h, p, n (so the same d_model and state size), chunk 64/r = 16 (mamba-ssm's
-      recommendation) and chunk 64;
+      recommendation), 32 and 64;
   distinct bit patterns of the gradients over ``--reps`` backward passes; the largest SISO differences from
   mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run; then ``--rounds``
   alternating SISO forward+backward timings of both, and the median of their ratios; each side's SISO errors
@@ -37,6 +37,8 @@ from common import (add_precompile_arguments, distinct_patterns, environment, gr
                     keep_config_slice, precompile_in_parallel, profile_table, time_ms, write)
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+# MIMO r=4 chunk sizes (steps): 16 is mamba-ssm's 64 / r; 32 halves the chunk states 16 writes (not yet measured)
+MIMO_CHUNKS = (16, 32, 64)
 
 
 def make(b, l, h, p, g, n, a, r, seed=0):
@@ -190,7 +192,7 @@ def main():
     scan["mambalab_siso_c64"] = measure(ours, x1, m1, 64, dout, args.reps)
     print("mambalab_siso_c64", scan["mambalab_siso_c64"], flush=True)  # progress, for runs cut short
     x4, m4 = make(b, l, h, p, g, n, a, 4)
-    for chunk in (16, 64):
+    for chunk in MIMO_CHUNKS:
         scan[f"mambalab_mimo4_c{chunk}"] = measure(ours, x4, m4, chunk, dout, args.reps)
         print(f"mambalab_mimo4_c{chunk}", scan[f"mambalab_mimo4_c{chunk}"], flush=True)
     result["scan"] = scan
@@ -204,7 +206,7 @@ def main():
         s["ms_over_r1"] = s["ms"] / steps[0]["ms"]
     result["decode"] = steps
     siso = scan["mambalab_siso_c64"]["fwd_bwd_ms"]
-    ratios = {f"mimo4_c{c}_over_siso_fwd_bwd": scan[f"mambalab_mimo4_c{c}"]["fwd_bwd_ms"] / siso for c in (16, 64)}
+    ratios = {f"mimo4_c{c}_over_siso_fwd_bwd": scan[f"mambalab_mimo4_c{c}"]["fwd_bwd_ms"] / siso for c in MIMO_CHUNKS}
     result["ratios"] = ratios
     result["targets"] = {"siso_over_mamba_ssm_fwd_bwd": 1.2, "mimo4_over_siso_fwd_bwd": 1.5}
     write(Path(args.out) / "bench_mamba3.json", result)
