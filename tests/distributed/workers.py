@@ -117,4 +117,5 @@ if __name__ == "__main__":
         {"grads": grads, "torch_tp": torch_tp}[part](layout, result[part])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{layout.rank}.json").write_text(json.dumps(result))
+    dist.barrier()   # every rank done before any tears down: rank 0 also hosts the rendezvous store
     dist.destroy_process_group()
