@@ -138,10 +138,11 @@ def decode(batch, h, p, g, n, a, r):
             "flops": flops, "flops_per_byte": flops / moved}
 
 
-def reference_errors(x, dout):
+def reference_errors(x, dout, results):
     """SISO: the largest |error| of mambalab's and of mamba-ssm's output and gradients against mambalab's fp64
     reference (ref.mamba3_chunked on the same inputs, sigmoid and π·tanh taken in fp64), relative to the
-    reference's largest magnitude. Says which side of a difference between the two is the error."""
+    reference's largest magnitude. Says which side of a difference between the two is the error.
+    results: {"mambalab": (out, grads), "mamba_ssm": (out, grads)}, each side's :func:`run` on x and dout."""
     from mambalab.ref.mamba3 import mamba3_chunked
 
     leaves = {k: v.detach().double().requires_grad_(True) for k, v in x.items()}
@@ -151,12 +152,11 @@ def reference_errors(x, dout):
     want.backward(dout.double())
     ref = {"out": want.detach(), **{k: v.grad for k, v in leaves.items()}}
     del want, leaves
-    result = {}
-    for side, fn in (("mambalab", ours), ("mamba_ssm", theirs)):
-        out, grads = run(fn, x, {}, 64, dout)
+    errors = {}
+    for side, (out, grads) in results.items():
         got = {"out": out, **grads}
-        result[side] = {k: ((got[k].double() - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
-    return result
+        errors[side] = {k: ((got[k].double() - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
+    return errors
 
 
 def main():
@@ -237,7 +237,8 @@ def main():
         ratios["siso_over_mamba_ssm_fwd_bwd_interleaved_median"] = statistics.median(r["ratio"] for r in rounds)
         write(Path(args.out) / "bench_mamba3.json", result)
         try:
-            result["siso_errors_vs_fp64_reference"] = reference_errors(x1, dout)
+            result["siso_errors_vs_fp64_reference"] = reference_errors(
+                x1, dout, {"mambalab": (o, go), "mamba_ssm": (t, gt)})
         except Exception as e:  # noqa: BLE001
             result["siso_errors_vs_fp64_reference"] = f"{type(e).__name__}: {e}"
         write(Path(args.out) / "bench_mamba3.json", result)
