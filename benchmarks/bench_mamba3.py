@@ -13,7 +13,7 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   mamba-ssm; ratios (mambalab SISO / mamba-ssm, MIMO r=4 / SISO), all from this one run; then ``--rounds``
   alternating SISO forward+backward timings of both, and the median of their ratios; each side's SISO errors
   against mambalab's fp64 reference; forward+backward replayed as CUDA graphs (GPU time without the host's
-  per-call work), SISO both sides and MIMO r=4.
+  per-call work), SISO both sides and MIMO r=4 at each chunk size.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
@@ -37,7 +37,7 @@ from common import (add_precompile_arguments, distinct_patterns, environment, gr
                     keep_config_slice, precompile_in_parallel, profile_table, time_ms, write)
 
 NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
-# MIMO r=4 chunk sizes (steps): 16 is mamba-ssm's 64 / r; 32 halves the chunk states 16 writes (not yet measured)
+# MIMO r=4 chunk sizes (steps): 16 is mamba-ssm's 64 / r; 32 halves the chunk states 16 writes, 64 quarters them
 MIMO_CHUNKS = (16, 32, 64)
 
 
@@ -245,8 +245,9 @@ def main():
         # Last (a failed capture can leave the device unusable), the rival last of all: forward+backward as
         # CUDA graphs, the host's per-call work gone, so what remains is the GPU time of each side's kernels.
         graphed = {}
-        for name, fn, x, m, chunk in (("mambalab_siso_c64", ours, x1, m1, 64), ("mambalab_mimo4_c16", ours, x4, m4, 16),
-                                      ("mamba_ssm_siso_c64", theirs, x1, m1, 64)):
+        cases = [("mambalab_siso_c64", ours, x1, m1, 64)]
+        cases += [(f"mambalab_mimo4_c{c}", ours, x4, m4, c) for c in MIMO_CHUNKS]
+        for name, fn, x, m, chunk in cases + [("mamba_ssm_siso_c64", theirs, x1, m1, 64)]:
             try:
                 graphed[name] = graph_ms(lambda: run(fn, x, m, chunk, dout))
             except Exception as e:  # noqa: BLE001
@@ -255,7 +256,9 @@ def main():
         result["fwd_bwd_graph_ms"] = graphed
         if all(isinstance(graphed[k], float) for k in graphed):
             ratios["siso_over_mamba_ssm_fwd_bwd_graph"] = graphed["mambalab_siso_c64"] / graphed["mamba_ssm_siso_c64"]
-            ratios["mimo4_c16_over_siso_fwd_bwd_graph"] = graphed["mambalab_mimo4_c16"] / graphed["mambalab_siso_c64"]
+            for c in MIMO_CHUNKS:
+                mimo_ms = graphed[f"mambalab_mimo4_c{c}"]
+                ratios[f"mimo4_c{c}_over_siso_fwd_bwd_graph"] = mimo_ms / graphed["mambalab_siso_c64"]
     write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 
