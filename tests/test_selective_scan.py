@@ -7,7 +7,6 @@ import torch
 
 from mambalab import oracle
 from mambalab.kernels import selective_scan as kernels
-from mambalab.kernels.reduce import sum_partials
 from mambalab.ops import selective_scan
 from mambalab.ref.selective_scan import selective_scan_ref as our_ref
 
@@ -167,16 +166,6 @@ def test_state_carried_across_many_blocks(block_d, block_l, bwd_block_d, bwd_blo
     for k, got in zip(NAMES, grads):
         scale = ref_grads[k].abs().max().item() + 1.0
         torch.testing.assert_close(got.cpu(), ref_grads[k], atol=2e-5 * scale, rtol=1e-4, msg=k)
-
-
-@pytest.mark.parametrize("P", [1, 4, 5, 11])   # the kernel loads four partials at a time, then the rest
-def test_sum_partials_is_a_left_fold(P):
-    x = torch.randn(3, P, 7, generator=torch.Generator().manual_seed(5)).to(KERNEL_DEVICE) * 1e3
-    got = sum_partials(x, dim=1)
-    want = x[:, 0].clone()
-    for p in range(1, x.shape[1]):
-        want = want + x[:, p]
-    assert torch.equal(got, want)
 
 
 # ---------------------------------------------------------------- bad input: clear errors, no launch
