@@ -10,7 +10,9 @@ this kernel is checked against):
     out     = Σ_r W^O_r ⊙ ((H' q̂_r + D v ⊙ W^V_r) ⊙ silu(z ⊙ W^Z_r))     (SISO: no W)
 
 Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
-odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise and no dimension is shuffled.
+odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise. Rows are read and written whole (contiguous) and
+split into their pairs in registers (``tl.reshape`` + ``tl.split``, ``tl.join`` back), as the rotary kernels do,
+rather than read at a stride of two.
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
@@ -32,12 +34,19 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotated(x_ptr, bias_ptr, offs_i, mask_i, cos, sin):
+def _pairs(x_ptr, offs_c, mask_c, BLOCK_N2: tl.constexpr):
+    """An n-vector read whole (contiguous) and split in registers: (even, odd) columns, each (BLOCK_N2,) fp32."""
+    x = tl.load(x_ptr + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (BLOCK_N2, 2)))
+
+
+@triton.jit
+def _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
     """(x + bias) at even and odd columns, turned by θ: returns (even, odd), each (BLOCK_N2,) fp32."""
-    x0 = tl.load(x_ptr + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
-    x0 += tl.load(bias_ptr + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
-    x1 += tl.load(bias_ptr + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
+    x0, x1 = _pairs(x_ptr, offs_c, mask_c, BLOCK_N2)
+    b0, b1 = _pairs(bias_ptr, offs_c, mask_c, BLOCK_N2)
+    x0 += b0
+    x1 += b1
     return x0 * cos - x1 * sin, x0 * sin + x1 * cos
 
 
@@ -74,9 +83,10 @@ def mamba3_step_kernel(
     grp = pid_h // (h // g)
     offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_i = tl.arange(0, BLOCK_N2)                                # pair index: columns 2i and 2i+1
+    offs_c = tl.arange(0, 2 * BLOCK_N2)                            # columns, read and written whole
     mask_p = offs_p < p
-    mask_i = offs_i < n // 2
-    mask_pi = mask_p[:, None] & mask_i[None, :]
+    mask_c = offs_c < 2 * (n // 2)
+    mask_pc = mask_p[:, None] & mask_c[None, :]
 
     dt = tl.load(dt_ptr + bh).to(tl.float32)
     alpha = tl.exp(tl.load(adt_ptr + bh).to(tl.float32))
@@ -87,10 +97,10 @@ def mamba3_step_kernel(
     cos = tl.cos(theta)
     sin = tl.sin(theta)
 
-    # the state's even and odd columns, (BLOCK_P, BLOCK_N2) each
-    s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + 2 * offs_i[None, :]
-    S0 = tl.load(ssm_ptr + s_ptrs, mask=mask_pi, other=0.0).to(tl.float32)
-    S1 = tl.load(ssm_ptr + s_ptrs + 1, mask=mask_pi, other=0.0).to(tl.float32)
+    # the state's rows read whole, split into even and odd columns, (BLOCK_P, BLOCK_N2) each
+    s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + offs_c[None, :]
+    S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
+    S0, S1 = tl.split(tl.reshape(S, (BLOCK_P, BLOCK_N2, 2)))
     v_prev = tl.load(vprev_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
     v_now = tl.load(v_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
     S0 *= alpha
@@ -102,24 +112,20 @@ def mamba3_step_kernel(
         if MIMO:
             wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
         # β U_prev: the previous step's input, rank r
-        kp = kprev_ptr + (bh * R + r) * n
-        kp0 = tl.load(kp + 2 * offs_i, mask=mask_i, other=0.0).to(tl.float32)
-        kp1 = tl.load(kp + 2 * offs_i + 1, mask=mask_i, other=0.0).to(tl.float32)
+        kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
         vp = (beta * v_prev * wv)[:, None]
         S0 += vp * kp0[None, :]
         S1 += vp * kp1[None, :]
         # γ U: this step's input, rank r
         k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
-                          offs_i, mask_i, cos, sin)
+                          offs_c, mask_c, cos, sin, BLOCK_N2)
         vn = (gamma * v_now * wv)[:, None]
         S0 += vn * k0[None, :]
         S1 += vn * k1[None, :]
         if pid_p == 0:
-            ko = k_out_ptr + (bh * R + r) * n
-            tl.store(ko + 2 * offs_i, k0, mask=mask_i)
-            tl.store(ko + 2 * offs_i + 1, k1, mask=mask_i)
-    tl.store(ssm_out_ptr + s_ptrs, S0, mask=mask_pi)
-    tl.store(ssm_out_ptr + s_ptrs + 1, S1, mask=mask_pi)
+            tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
+                     mask=mask_c)
+    tl.store(ssm_out_ptr + s_ptrs, tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2)), mask=mask_pc)
     tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
     if pid_p == 0:
         tl.store(angle_out_ptr + bh * a + offs_i, theta, mask=mask_a)
@@ -131,7 +137,7 @@ def mamba3_step_kernel(
     out = tl.zeros((BLOCK_P,), dtype=tl.float32)
     for r in tl.static_range(R):
         q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
-                          offs_i, mask_i, cos, sin)
+                          offs_c, mask_c, cos, sin, BLOCK_N2)
         y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
         if MIMO:
             wrow = (pid_h * R + r) * p + offs_p
