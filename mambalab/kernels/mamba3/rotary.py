@@ -83,6 +83,15 @@ NUM_WARPS = 8       # forward, and the scores' backward (no spills at 8: 166 reg
 BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
 
 
+def bwd_loop_stages(r):
+    """Software-pipelining stages of the backward's loop over a group's heads (``tl.range``'s num_stages: the
+    loads of up to that many heads in flight; 1: none). H200, b4 l4096 h32 g1 n128, one process (session 8,
+    benchmarks/results/README.md): at r = 1 the kernel took 0.452 ms with 3 stages against 0.513 with 1 (2:
+    0.481, 4: 0.718); at r = 4, 1.96 ms with 1 against 2.13-3.38 with 2-4, where the larger tiles leave no
+    room. The same in the scores' backward was slower (0.123 ms against 0.076), so that loop is plain."""
+    return 3 if r == 1 else 1
+
+
 def tiles(r):
     """(BLOCK_R, BLOCK_T) for rank r: every rank, BLOCK_R · BLOCK_T = ROWS rows (BLOCK_T at least 1)."""
     block_r = triton.next_power_of_2(r)
@@ -269,6 +278,7 @@ def rotary_qk_bwd_kernel(
     T, h, g, n, a, k_part_stride,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
     HAS_DS: tl.constexpr,   # dq, dk hold the scores' terms on entry (added to, not overwritten)
+    LOOP_STAGES: tl.constexpr,
 ):
     grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
         dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
@@ -284,7 +294,7 @@ def rotary_qk_bwd_kernel(
         dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
         dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
-    for j in range(0, e):                                          # the group's heads, in order
+    for j in tl.range(0, e, num_stages=LOOP_STAGES):               # the group's heads, in order
         hd = grp * e + j
         th_off = (pos[:, None] * h + hd) * a + offs_i[None, :]
         th = tl.load(theta_ptr + th_off, mask=mask_a, other=0.0)
@@ -327,6 +337,6 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
                                               k_stride, **tile, num_warps=NUM_WARPS)
     rotary_qk_bwd_kernel[(blocks, g)](
         q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
-        HAS_DS=dscores is not None, num_warps=BWD_NUM_WARPS)
+        HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r), num_warps=BWD_NUM_WARPS)
     dbias = sum_partials(partials.flatten(1, 2), dim=1)           # (2, h, r, n): q's, k's
     return dq, dk, dbias[0], dbias[1], dtheta
