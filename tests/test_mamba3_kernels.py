@@ -374,6 +374,12 @@ def test_gpu_siso_matches_mamba_ssm():
     forms θ = cumsum(π tanh(Angles) · DT) inside); ours takes λ = sigmoid(Trap) and π·tanh(Angles) directly,
     q, k with a rank axis and biases (h, r, n). Tolerance: max |ours - theirs| <= 3e-2 · (max |theirs| + 1)
     for the output, 5e-2 for gradients (bf16 inputs; theirs uses approximate sin/cos/sigmoid/tanh).
+
+    d angles is the exception: in bf16 it is ill-conditioned for both sides (a reverse cumulative sum over l
+    of dθ terms that mostly cancel; at the benchmark's shape each side is 8-9 % of its scale away from the
+    fp64 reference), so the two sides' errors can add past 5e-2 of each other (a run with an unseeded dy saw
+    5.2 %). For it, both are measured against mambalab's fp64 reference and ours must be no further from it
+    than 1.25 × theirs + 1e-2 (relative to the reference's scale).
     """
     from mambalab import oracle
     siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
@@ -392,7 +398,7 @@ def test_gpu_siso_matches_mamba_ssm():
     with oracle.first_configs_only("mamba_ssm.ops.triton.mamba3"):   # no minutes of autotuning first
         theirs = siso(q, k, v, adt.transpose(1, 2), dt.transpose(1, 2), trap_raw.transpose(1, 2), q_bias, k_bias,
                       ang_raw, D, z, chunk_size=64)
-        dy = torch.randn_like(theirs)
+        dy = torch.randn(theirs.shape, generator=gen, device="cuda").to(theirs.dtype)
         g_theirs = torch.autograd.grad((theirs * dy).sum(), ours_in)
     ours = mamba3_chunk_scan(q[:, :, None], k[:, :, None], v, adt, dt, torch.sigmoid(trap_raw), q_bias[:, None],
                              k_bias[:, None], math.pi * torch.tanh(ang_raw), D, z, chunk_size=64)
@@ -400,4 +406,15 @@ def test_gpu_siso_matches_mamba_ssm():
     g_ours = torch.autograd.grad((ours * dy).sum(), ours_in)
     names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
     for name, go, gt in zip(names, g_ours, g_theirs):
-        assert_close(go, gt, f"d {name} vs mamba3_siso_combined", 5e-2)
+        if name != "angles":
+            assert_close(go, gt, f"d {name} vs mamba3_siso_combined", 5e-2)
+    exact = [t.detach().double().requires_grad_(True) for t in ours_in]
+    eq, ek, ev, eadt, edt, etrap, eqb, ekb, eang, eD, ez = exact
+    want = mamba3_chunked(eq[:, :, None], ek[:, :, None], ev, eadt, edt, torch.sigmoid(etrap), eqb[:, None],
+                          ekb[:, None], math.pi * torch.tanh(eang), eD, ez, chunk_size=64)
+    d_exact = torch.autograd.grad((want * dy.double()).sum(), eang)[0]
+    scale = d_exact.abs().max().item() + 1.0
+    err = lambda got: (got.double() - d_exact).abs().max().item() / scale
+    i = names.index("angles")
+    assert err(g_ours[i]) <= 1.25 * err(g_theirs[i]) + 1e-2, (
+        f"d angles: ours {err(g_ours[i]):.3g} from the fp64 reference, mamba3_siso_combined {err(g_theirs[i]):.3g}")
