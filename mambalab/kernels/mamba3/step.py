@@ -12,7 +12,10 @@ this kernel is checked against):
 Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
 odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise. Rows are read and written whole (contiguous) and
 split into their pairs in registers (``tl.reshape`` + ``tl.split``, ``tl.join`` back), as the rotary kernels do,
-rather than read at a stride of two.
+rather than read at a stride of two: on an H200 (session 8, as CUDA graphs, benchmarks/results/README.md) the
+step went from 41.6 to 10.0 µs at batch 16, 32 heads, r = 1 (4.2×) and from 571 to 232 µs at batch 64, 64
+heads, r = 4. The new state is bit-equal to the strided version's; 0.01 % of the outputs differ by one bf16 step
+(the sum over n is grouped differently in the new register layout).
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
