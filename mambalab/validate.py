@@ -103,12 +103,14 @@ class SignatureCache:
         self._size = size
         self._seen: dict[tuple, object] = {}
 
-    def check(self, tensors: Iterable, run: Callable[[], T]) -> T:
+    def check(self, tensors: Iterable, run: Callable[[], T], extra: tuple = ()) -> T:
         """``run()``'s result for these tensors' signature: computed on the first call with that signature
-        (raising as ``run`` raises), remembered after."""
+        (raising as ``run`` raises), remembered after. ``extra``: the other values ``run`` checks (say a chunk
+        size), part of the signature."""
         try:
-            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
-        except AttributeError:   # not all tensors: the check will say which
+            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
+            hash(key)
+        except (AttributeError, TypeError):   # not all tensors, or an unhashable value: the check will say which
             return run()
         if key not in self._seen:
             result = run()

@@ -346,6 +346,29 @@ def test_step_checks_once_per_signature_and_never_skips_a_new_one(monkeypatch):
     assert len(calls) == 3
 
 
+
+def test_chunk_scan_checks_once_per_signature_and_chunk_size(monkeypatch):
+    """The chunked scan's checks are cached the same way, with chunk_size and the initial state's presence in
+    the signature: a repeated call is not checked again; a bad chunk size, a new shape or a state is."""
+    import mambalab.ops.mamba3 as ops_mamba3
+
+    calls = []
+    real_check = ops_mamba3._check
+    monkeypatch.setattr(ops_mamba3, "_check", lambda *a, **k: calls.append(1) or real_check(*a, **k))
+    monkeypatch.setattr(ops_mamba3, "_SCAN_CHECKS", validate.SignatureCache())
+    inp = {k: None if t is None else t.to(KERNEL_DEVICE)
+           for k, t in make_mamba3_inputs(1, 32, 2, 16, 1, 16, 1, 2, dtype=torch.float32).items()
+           if k != "initial_state"}
+    with torch.no_grad():
+        first = mamba3_chunk_scan(**inp, chunk_size=16)
+        again = mamba3_chunk_scan(**inp, chunk_size=16)
+    assert len(calls) == 1 and torch.equal(first, again)
+    with pytest.raises(ValueError, match="chunk_size"):
+        mamba3_chunk_scan(**inp, chunk_size=24)
+    with pytest.raises(ValueError, match="dt must have shape"):
+        mamba3_chunk_scan(**{**inp, "dt": inp["dt"][:, :16]}, chunk_size=16)
+    assert len(calls) == 3
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
 def test_gpu_bf16_matches_reference_and_repeats():

@@ -34,6 +34,7 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, corr
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _STEP_CHECKS = validate.SignatureCache()
+_SCAN_CHECKS = validate.SignatureCache()   # the same for the chunked scan (about 65 µs of Python a call)
 # Ranks whose within-step scores come out of the rotary kernels. H200, b4 l4096 h32 p64 n128 bf16 (session 7,
 # call 1; benchmarks/results/README.md): at r = 1 the fused path ran SISO forward+backward in 3.30 ms, 1.16×
 # mamba-ssm's time in the same process, where the matmul path took 4.54 ms (4.16 in session 6's call 15): one
@@ -187,7 +188,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
         raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
     reduction = reduction or "deterministic"
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
-    b, l, h, p, g, n, r, a = _check(args, initial_state, per_token=False, chunk_size=chunk_size)
+    # the checks read only shapes, dtypes, devices and chunk_size: once per signature
+    fields = tuple(initial_state) if isinstance(initial_state, Mamba3State) else (initial_state,)
+    b, l, h, p, g, n, r, a = _SCAN_CHECKS.check(
+        (*args, *fields), lambda: _check(args, initial_state, per_token=False, chunk_size=chunk_size),
+        extra=(chunk_size, type(initial_state)))
     dtype_in = v.dtype
     kd = _device.compute_dtype(dtype_in, v.device)
     act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
