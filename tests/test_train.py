@@ -154,7 +154,8 @@ def test_bf16_autocast_over_fp32_master_parameters_trains(tmp_path):
 
 @requires_gpu
 def test_gpu_training_step_with_kernels_and_bf16_autocast(tmp_path):
-    model = LMConfig(**{**TINY, "scan": "kernel", "d_model": 64, "headdim": 16, "chunk_size": 64})
+    # vocab 128: MQAR at seq_len 128 asks 32 pairs of distinct keys, (vocab - 2) / 2 >= 32
+    model = LMConfig(**{**TINY, "scan": "kernel", "d_model": 64, "headdim": 16, "chunk_size": 64, "vocab_size": 128})
     rows = train(TrainConfig(model=model, task="mqar", batch_size=4, seq_len=128, steps=4, warmup=1, progress=False,
                              out_dir=str(tmp_path)))
     assert all(torch.isfinite(torch.tensor(r["loss"])) for r in rows) and rows[-1]["peak_mem_gib"] > 0
