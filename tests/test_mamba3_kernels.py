@@ -349,7 +349,7 @@ def test_step_checks_once_per_signature_and_never_skips_a_new_one(monkeypatch):
 
 def test_chunk_scan_checks_once_per_signature_and_chunk_size(monkeypatch):
     """The chunked scan's checks are cached the same way, with chunk_size and the initial state's presence in
-    the signature: a repeated call is not checked again; a bad chunk size, a new shape or a state is."""
+    the signature: a repeated call is not checked again; a call with a bad chunk size or a new shape is."""
     import mambalab.ops.mamba3 as ops_mamba3
 
     calls = []
