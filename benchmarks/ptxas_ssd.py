@@ -8,7 +8,10 @@ them a GPU launch would mark divisible by 16, num_warps. Tiles come from the sha
 sequence compiles the same kernels as a long one.
 Step 2 (a child process, interpreter off: :func:`mambalab.aot.compile_in_subprocess`): compiles each distinct
 recorded launch with Triton's compiler for the target; then the ptxas shipped with Triton runs on each PTX in
-verbose mode (:func:`mambalab.aot.ptxas_usage`).
+verbose mode (:func:`mambalab.aot.ptxas_usage`). Each kernel's line also counts its loops and the loads Triton's
+software pipeliner made asynchronous: a loop with none issues each iteration's loads only after the previous
+iteration's arithmetic (``tl.range(..., num_stages=...)`` asks for pipelining; session 8 found the angle cumsum
+and the rotary backward that way).
 
     python benchmarks/ptxas_ssd.py [--arch 90] [--dtype bf16] [--shape H P N CHUNK] [--op mamba3 --rank R]
 
@@ -75,7 +78,7 @@ def main():
         blocks = {k: v for k, v in c.launch.constexprs.items() if k.startswith("BLOCK")}
         print(f"  {c.launch.name:34s} warps={warps} {blocks}\n"
               f"  {'':34s} {aot.ptxas_usage(c.ptx, args.arch)}, {c.shared / 1024:.0f} KiB shared memory, "
-              f"compiled to PTX in {c.seconds:.1f} s")
+              f"{c.loops} loops, {c.async_copies} async copies, compiled to PTX in {c.seconds:.1f} s")
 
 
 if __name__ == "__main__":

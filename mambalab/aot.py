@@ -177,6 +177,9 @@ class Compiled:
     seconds: float             # wall time of triton.compile (PTX and cubin)
     shared: int | None         # shared memory in bytes
     ptx: str | None            # the PTX, when asked for
+    loops: int | None = None          # scf.for loops left in the kernel's TTGIR (unrolled ones are gone)
+    async_copies: int | None = None   # loads the software pipeliner turned into asynchronous copies: a kernel
+                                      # with loops and none waits on each iteration's loads in turn
 
 
 # The child's script. triton comes first: with it imported, mambalab.device leaves TRITON_INTERPRET=0 alone.
@@ -225,8 +228,10 @@ def _compile_files(job: str, result: str) -> None:
             outcomes.append({"error": "".join(traceback.format_exception_only(e)).strip(),
                              "seconds": time.perf_counter() - start, "shared": None, "ptx": None})
             continue
+        ttgir = kernel.asm["ttgir"]
         outcomes.append({"error": None, "seconds": time.perf_counter() - start, "shared": kernel.metadata.shared,
-                         "ptx": kernel.asm["ptx"] if spec["keep_ptx"] else None})
+                         "ptx": kernel.asm["ptx"] if spec["keep_ptx"] else None,
+                         "loops": ttgir.count("scf.for "), "async_copies": ttgir.count("async_copy_global_to_local")})
     Path(result).write_text(json.dumps(outcomes))
 
 

@@ -161,3 +161,19 @@ def test_recorded_launches_cover_every_kernel(compiled):
     missing = kernels - recorded
     assert not missing, (f"kernels that no case of {__name__} launches, so nothing checks that they compile for "
                          f"a GPU: {sorted(missing)}; add a case to CASES that launches them")
+
+
+# Loops that session 8's H200 A/B found faster software-pipelined (benchmarks/results/README.md), at the rank
+# where they are; compiled for sm_90 without `tl.range(..., num_stages=...)` these loops had no async copies.
+PIPELINED = {"mamba3_chunk_scan-r1": ("angle_cumsum_fwd_kernel", "angle_cumsum_bwd_kernel", "rotary_qk_bwd_kernel")}
+
+
+@pytest.mark.parametrize("case", PIPELINED)
+def test_pipelined_loops_keep_their_async_copies(compiled, case):
+    launches, results = compiled
+    outcomes = {c.launch.name: c for c in (results[launch.key()] for launch in launches[case])}
+    for name in PIPELINED[case]:
+        c = outcomes[name]
+        assert c.loops >= 1 and c.async_copies > 0, (
+            f"{name} in {case}: {c.loops} loops, {c.async_copies} asynchronous copies: its loop's loads are "
+            "no longer software-pipelined")
