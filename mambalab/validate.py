@@ -109,10 +109,10 @@ class SignatureCache:
         size), part of the signature."""
         try:
             key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
-            hash(key)
+            seen = key in self._seen
         except (AttributeError, TypeError):   # not all tensors, or an unhashable value: the check will say which
             return run()
-        if key not in self._seen:
+        if not seen:
             result = run()
             if len(self._seen) >= self._size:
                 self._seen.clear()

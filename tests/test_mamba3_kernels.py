@@ -330,7 +330,7 @@ def test_step_checks_once_per_signature_and_never_skips_a_new_one(monkeypatch):
     calls = []
     real_check = ops_mamba3._check
     monkeypatch.setattr(ops_mamba3, "_check", lambda *a, **k: calls.append(1) or real_check(*a, **k))
-    monkeypatch.setattr(ops_mamba3, "_STEP_CHECKS", validate.SignatureCache())
+    monkeypatch.setattr(ops_mamba3, "_CHECKS", validate.SignatureCache())
     inp = make_mamba3_inputs(1, 1, 2, 16, 1, 16, 2, 2, dtype=torch.float32)
     tok = {k: (t[:, 0].to(KERNEL_DEVICE) if k in SEQUENCE and t is not None else
                None if t is None else t.to(KERNEL_DEVICE)) for k, t in inp.items() if k != "initial_state"}
@@ -355,7 +355,7 @@ def test_chunk_scan_checks_once_per_signature_and_chunk_size(monkeypatch):
     calls = []
     real_check = ops_mamba3._check
     monkeypatch.setattr(ops_mamba3, "_check", lambda *a, **k: calls.append(1) or real_check(*a, **k))
-    monkeypatch.setattr(ops_mamba3, "_SCAN_CHECKS", validate.SignatureCache())
+    monkeypatch.setattr(ops_mamba3, "_CHECKS", validate.SignatureCache())
     inp = {k: None if t is None else t.to(KERNEL_DEVICE)
            for k, t in make_mamba3_inputs(1, 32, 2, 16, 1, 16, 1, 2, dtype=torch.float32).items()
            if k != "initial_state"}

@@ -33,8 +33,7 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, corr
                                  entering_state, step_weights, within_step_scores)
 
 REDUCTIONS = (None, "atomic", "deterministic")
-_STEP_CHECKS = validate.SignatureCache()
-_SCAN_CHECKS = validate.SignatureCache()   # the same for the chunked scan (about 65 µs of Python a call)
+_CHECKS = validate.SignatureCache()   # _check's outcomes by signature (about 65 µs of Python a call saved)
 # Ranks whose within-step scores come out of the rotary kernels. H200, b4 l4096 h32 p64 n128 bf16 (session 7,
 # call 1; benchmarks/results/README.md): at r = 1 the fused path ran SISO forward+backward in 3.30 ms, 1.16×
 # mamba-ssm's time in the same process, where the matmul path took 4.54 ms (4.16 in session 6's call 15): one
@@ -65,6 +64,15 @@ def _check(args, state, *, per_token, chunk_size=None):
                          f"chunk_size = {chunk_size}, r = {r}")
     _device.ensure_kernel_device(args[2].device)
     return sizes
+
+
+def _checked(args, state, *, per_token, chunk_size=None):
+    """:func:`_check`, once per signature: it reads only shapes, dtypes, devices, ``per_token`` and
+    ``chunk_size``, so a loop calling an op with same-shaped inputs (a decoded token, a training step) runs it
+    once, and any other signature is checked again."""
+    fields = tuple(state) if isinstance(state, Mamba3State) else (state,)
+    return _CHECKS.check((*args, *fields), lambda: _check(args, state, per_token=per_token, chunk_size=chunk_size),
+                         extra=(per_token, chunk_size, type(state)))
 
 
 class AngleFn(torch.autograd.Function):
@@ -188,11 +196,7 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
         raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
     reduction = reduction or "deterministic"
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
-    # the checks read only shapes, dtypes, devices and chunk_size: once per signature
-    fields = tuple(initial_state) if isinstance(initial_state, Mamba3State) else (initial_state,)
-    b, l, h, p, g, n, r, a = _SCAN_CHECKS.check(
-        (*args, *fields), lambda: _check(args, initial_state, per_token=False, chunk_size=chunk_size),
-        extra=(chunk_size, type(initial_state)))
+    b, l, h, p, g, n, r, a = _checked(args, initial_state, per_token=False, chunk_size=chunk_size)
     dtype_in = v.dtype
     kd = _device.compute_dtype(dtype_in, v.device)
     act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
@@ -249,10 +253,8 @@ def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z
     if not isinstance(state, Mamba3State):
         raise TypeError(f"state must be a Mamba3State (angle, ssm, k, v); got {type(state).__name__} "
                         "(mambalab.ref.mamba3.zero_state makes an empty one)")
-    fields = tuple(state)
-    # the checks read only shapes, dtypes and devices: once per signature, not once per decoded token
-    _STEP_CHECKS.check((*args, *fields), lambda: _check(args, state, per_token=True))
-    tensors = [t for t in (*args, *fields) if t is not None]
+    _checked(args, state, per_token=True)
+    tensors = [t for t in (*args, *state) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise NotImplementedError("mamba3_step is a decoding kernel without a backward and an input requires "
                                   "grad: call it under torch.no_grad(), or use mamba3_chunk_scan for gradients")
