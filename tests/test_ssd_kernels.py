@@ -97,6 +97,33 @@ def test_state_passing_matches_reference(init):
     assert_close(final, want_final, "final states")
 
 
+def test_state_passing_stores_its_chunk_tensors_in_the_dots_dtype():
+    """With 16-bit inputs the entering states (forward) and dS_c (backward) are stored in the dots' dtype, the
+    recurrence still running in fp32: each stored tensor is the fp32 one rounded once, the final state and
+    d initial_states are the fp32 run's bits, and da is the fp32 formula applied to the stored states. (fp16
+    here: the CPU interpreter stores it exactly; the GPU runs use bf16 the same way.)"""
+    b, l, h, p, g, n, q = 2, 75, 3, 5, 1, 6, 16
+    inp = cpu(make_inputs(b, l, h, p, g, n, init=True))
+    delta, cs, (xc, dtc, a, Bc, _) = reference_chunks(inp, q)
+    cfg = kernels.tile_config(h, p, n, q)
+    states, cs_d, init = on_device(chunk_states(xc, dtc, a, Bc), cs, inp["initial_states"])
+    wide, final = kernels.state_passing_fwd(states, cs_d, init, cfg)
+    narrow, final16 = kernels.state_passing_fwd(states, cs_d, init, cfg, store_dtype=torch.float16)
+    assert wide.dtype == final.dtype == final16.dtype == torch.float32 and narrow.dtype == torch.float16
+    assert torch.equal(narrow, wide.half()) and torch.equal(final16, final)
+
+    gen = torch.Generator().manual_seed(3)
+    dH, dfinal = on_device(torch.randn(states.shape, generator=gen), torch.randn(final.shape, generator=gen))
+    dS, dinit, da = kernels.state_passing_bwd(wide, cs_d, dH, dfinal, True, cfg, "deterministic")
+    dS16, dinit16, da16 = kernels.state_passing_bwd(narrow, cs_d, dH, dfinal, True, cfg, "deterministic")
+    assert dS16.dtype == torch.float16 and dinit16.dtype == da16.dtype == torch.float32
+    assert torch.equal(dS16, dS.half()) and torch.equal(dinit16, dinit)
+    _, _, da_from_stored = kernels.state_passing_bwd(narrow.float(), cs_d, dH, dfinal, True, cfg, "deterministic")
+    assert torch.equal(da16, da_from_stored)
+    assert not torch.equal(da16, da)                          # the rounding reaches da, and only da
+    assert_close(da16, da.cpu(), "da from fp16 states", atol=2e-3, rtol=2e-3)
+
+
 @pytest.mark.parametrize("b, l, h, p, g, n, q, D, z", [
     (2, 37, 4, 8, 1, 8, 16, None, False),     # steps 1 + 4 of the reference, nothing else
     (1, 45, 2, 16, 2, 16, 32, "hp", True),    # with D (h, p) and the gate

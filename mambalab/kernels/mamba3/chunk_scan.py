@@ -37,14 +37,14 @@ class Mamba3ScanForward(NamedTuple):
     final: torch.Tensor      # (b, h, p, n) fp32: H after the last step
     delta: torch.Tensor      # (b, h, c, Q) fp32
     cs: torch.Tensor         # (b, h, c, Q) fp32
-    entering: torch.Tensor   # (b, c, h, p, n) fp32
+    entering: torch.Tensor   # (b, c, h, p, n) in x's dtype (the dots'; kernels.ssd.state_passing)
     tiles: TileConfig
 
 
 class Mamba3ScanGrads(NamedTuple):
     dx: torch.Tensor         # (b, l·R, h, p) x's dtype
-    dB: torch.Tensor         # (b, l·R, h, n) fp32
-    dC: torch.Tensor         # (b, l·R, h, n) fp32
+    dB: torch.Tensor         # (b, l·R, h, n): x's dtype ("deterministic"), fp32 ("atomic")
+    dC: torch.Tensor         # (b, l·R, h, n): as dB
     dadt: torch.Tensor       # (b, l, h) fp32
     dsigma: torch.Tensor     # (b, l, h) fp32
     dinitial: torch.Tensor | None
@@ -60,7 +60,7 @@ def mamba3_scan_fwd(B, C, x, adt, sigma, initial, r: int, chunk_size: int) -> Ma
     cfg = tile_config(h, p, n, chunk_size * r, x.dtype)
     delta, cs = rank_cumsum_fwd(adt, sigma, r, chunk_size, cfg.block_h, cfg.num_warps)
     states = chunk_states_fwd(x, B, delta, cs, cfg, _precision(x))
-    entering, final = state_passing_fwd(states, cs, initial, cfg)
+    entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype)
     y = chunk_scan_fwd(x, B, C, delta, cs, entering, None, None, cfg, _precision(x))
     return Mamba3ScanForward(y, final, delta, cs, entering, cfg)
 
@@ -72,6 +72,7 @@ def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, l: int, r: int,
     dH_out = chunk_scan_bwd_dstates(dy, None, C, fwd.cs, cfg, p, _precision(x))
     dstates, dinit, da = state_passing_bwd(fwd.entering, fwd.cs, dH_out, dfinal, has_initial, cfg, reduction)
     dx, _, dB, dC, _, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
-        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x))
+        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x),
+        bc_dtype=x.dtype)
     dadt, dsigma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, l, r, cfg.block_h, cfg.num_warps)
     return Mamba3ScanGrads(dx, dB, dC, dadt, dsigma, dinit)

@@ -16,7 +16,7 @@ for each block of BLOCK_T columns s up to the diagonal, C Bᵀ (BLOCK_T × BLOCK
 (L ∘ C Bᵀ ∘ Δ) X (BLOCK_T × BLOCK_P). Blocks wholly above the diagonal are never visited.
 
 Shapes: x, z, out (b, l, h, p); C, B (b, l, g, n), head i reading group i // (h // g); Δ, cs (b, h, c, q) fp32;
-entering (b, c, h, p, n) fp32; D (h,) or (h, p). out is written in x's dtype, padding positions skipped.
+entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p). out is written in x's dtype, padding positions skipped.
 One program: (batch row, chunk, head, block of BLOCK_T rows, block of BLOCK_P head dimensions).
 
 Backward (below the forward): this step's and step 1's (chunk states), in one kernel; the math is written there.
@@ -66,7 +66,7 @@ def chunk_scan_fwd_kernel(
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
     cs_ptr,           # (b, h, c, q) fp32 within-chunk cumsum of Δ A from step 0
-    entering_ptr,     # (b, c, h, p, n) fp32 state entering each chunk, from step 2
+    entering_ptr,     # (b, c, h, p, n) state entering each chunk, from step 2 (x's dtype)
     D_ptr,            # (h,) or (h, p) skip weights, or a dummy
     z_ptr,            # (b, l, h, p) gate, or a dummy
     out_ptr,          # (b, l, h, p) out, in x's dtype
@@ -145,7 +145,7 @@ def chunk_scan_fwd_kernel(
 
 def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee"):
     """Launch step 3. x, z (b, l, h, p) and B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32;
-    entering (b, c, h, p, n) fp32; D (h,) or (h, p) or None; z or None. Returns out (b, l, h, p), x's dtype."""
+    entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None. Returns out (b, l, h, p), x's dtype."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -255,12 +255,12 @@ def chunk_scan_bwd_rows_kernel(
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
-    entering_ptr,     # (b, c, h, p, n) fp32 H_c
+    entering_ptr,     # (b, c, h, p, n) H_c (x's dtype)
     D_ptr,            # (h,) or (h, p), or a dummy
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
     dz_ptr,           # (b, l, h, p) out (or a dummy)
-    dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head, its own dtype
     dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
     dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c·q/BLOCK_T, p or 1); or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
@@ -315,7 +315,8 @@ def chunk_scan_bwd_rows_kernel(
     if REDUCE_ATOMIC:
         tl.atomic_add(dC_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], dC, mask=mask_tn)
     else:
-        tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC, mask=mask_tn)
+        tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC.to(dC_ptr.dtype.element_ty),
+                 mask=mask_tn)
     if HAS_D or HAS_Z:
         x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
     if HAS_D:
@@ -346,12 +347,12 @@ def chunk_scan_bwd_columns_kernel(
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
-    dstates_ptr,      # (b, c, h, p, n) fp32 dS_c, from state passing's backward
+    dstates_ptr,      # (b, c, h, p, n) dS_c, from state passing's backward (x's dtype)
     D_ptr,            # (h,) or (h, p), or a dummy
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
     dx_ptr,           # (b, l, h, p) out, x's dtype
-    dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head, its own dtype
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
@@ -410,7 +411,8 @@ def chunk_scan_bwd_columns_kernel(
     if REDUCE_ATOMIC:
         tl.atomic_add(dB_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], dB, mask=mask_sn)
     else:
-        tl.store(dB_ptr + (row_s[:, None] * h + head) * n + offs_n[None, :], dB, mask=mask_sn)
+        tl.store(dB_ptr + (row_s[:, None] * h + head) * n + offs_n[None, :], dB.to(dB_ptr.dtype.element_ty),
+                 mask=mask_sn)
     tl.store(ddelta_ptr + chunk + offs_s, ddelta)
     tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
     tl.store(dws_ptr + chunk + offs_s, w * dw)
@@ -432,11 +434,16 @@ def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precisio
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee"):
+                   dot_precision: str = "ieee", bc_dtype=torch.float32):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
-    dz or None, dB, dC (b, l, g, n) fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
-    (b, h, c, q) fp32)."""
+    dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
+    (b, h, c, q) fp32).
+
+    dB, dC are fp32, or ``bc_dtype`` where every head is its own group (g = h) and the reduction is
+    "deterministic": then each program writes its rows once and nothing sums them afterwards here, so a
+    caller that reads them once (Mamba-3's rotary backward) can take them narrower. Atomic adds, and the fold
+    over a group's heads, stay in fp32."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -447,8 +454,9 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
     bc_shape = (b, l, g, n) if atomic else (b, l, h, n)
-    dB = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
-    dC = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
+    bc_type = torch.float32 if atomic or g < h else bc_dtype            # fp32 where adds or a fold follow
+    dB = (torch.zeros if atomic else torch.empty)(bc_shape, device=x.device, dtype=bc_type)
+    dC = torch.zeros_like(dB) if atomic else torch.empty_like(dB)
     ddelta = torch.empty(b, h, c, q, **f32)
     dcs_row = torch.empty_like(ddelta)
     dcs_col = torch.empty_like(ddelta)

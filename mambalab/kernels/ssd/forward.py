@@ -21,14 +21,14 @@ from mambalab.kernels.ssd.tiles import TileConfig, tile_config
 
 
 class SSDForward(NamedTuple):
-    """The forward's results. Everything but ``out`` is fp32."""
+    """The forward's results. Everything but ``out`` and ``entering_states`` (the dots' dtype: x's) is fp32."""
 
     out: torch.Tensor              # (b, l, h, p) in x's dtype
     final_states: torch.Tensor     # (b, h, p, n): the state after the last step
     delta: torch.Tensor            # (b, h, c, q): Δ = clamp(softplus?(dt + dt_bias)), 0 on padding
     dA_cumsum: torch.Tensor        # (b, h, c, q): cs, the within-chunk cumsum of Δ A
     chunk_states: torch.Tensor     # (b, c, h, p, n): S, each chunk's state from zero
-    entering_states: torch.Tensor  # (b, c, h, p, n): H_in, the state entering each chunk
+    entering_states: torch.Tensor  # (b, c, h, p, n) in x's dtype: H_in, the state entering each chunk
     tiles: TileConfig
 
 
@@ -51,6 +51,6 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         raise ValueError(f"the tiles are for chunk_size={cfg.chunk_size}, not {chunk_size}")
     delta, cs = chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg)
     states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
-    entering, final = state_passing_fwd(states, cs, initial_states, cfg)
+    entering, final = state_passing_fwd(states, cs, initial_states, cfg, store_dtype=x.dtype)
     out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision)
     return SSDForward(out, final, delta, cs, states, entering, cfg)
