@@ -197,6 +197,20 @@ def test_autotune_pick_is_fixed_per_profile_and_pinned_by_the_switch():
     assert _scale_kernel.cache == {}                                         # Triton's own cache untouched
 
 
+def test_autotune_stand_in_through_tritons_own_bench(monkeypatch):
+    """The GPU path of the stand-in (each candidate launched through Triton's Autotuner._bench, its timing
+    replaced), run here by claiming a GPU: the picks still differ between profiles. On the H200 in session 9
+    they did not (every profile picked the first configuration): Triton 3.6 caches do_bench on first use."""
+    monkeypatch.setattr(autotune, "_real_gpu", lambda: True)
+    _scale_kernel.__dict__.pop("_mambalab_caches", None)
+    picks = {}
+    for key in ARCH_PROFILES:
+        with emulate(key):
+            picks[key] = _picked_block()
+    assert len(set(picks.values())) >= 2, picks
+    assert "do_bench" not in _scale_kernel.__dict__ and _scale_kernel.cache == {}   # nothing of ours left behind
+
+
 # ---------------------------------------------------------------------------------------------- program order
 @triton.jit
 def _atomic_sum_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):

@@ -97,7 +97,7 @@ def _install() -> None:
             return _original_run(self, *args, **kwargs)
         name = getattr(getattr(self, "base_fn", None), "__name__", repr(self.fn))
         caches = self.__dict__.setdefault("_mambalab_caches", {})
-        patched = ("cache", "cache_results", "_bench", "_do_bench")
+        patched = ("cache", "cache_results", "_bench", "_do_bench", "do_bench")
         saved = {k: self.__dict__[k] for k in patched if k in self.__dict__}
         self.cache = caches.setdefault(current, {})
         self.cache_results = False
@@ -109,7 +109,11 @@ def _install() -> None:
             triton_bench = type(self)._bench
 
             def bench(*a, config, **kw):
-                self._do_bench = lambda kernel_call, quantiles: (kernel_call(), cost(config))[1]
+                stand_in = lambda kernel_call, quantiles: (kernel_call(), cost(config))[1]
+                # Triton 3.6 reads self.do_bench, a functools.cached_property over _do_bench: the first read
+                # caches whatever _do_bench was then, so setting _do_bench alone gave every candidate the
+                # first one's cost (all picks the first configuration, on the H200 in session 9)
+                self._do_bench = self.__dict__["do_bench"] = stand_in
                 return triton_bench(self, *a, config=config, **kw)
 
             self._bench = bench
