@@ -44,9 +44,9 @@ are (position block, head), backward programs (position block, group). Every ran
 dθ's sum over ranks stays in registers and cos, sin serve every rank; the backward holds q's and k's dx
 tiles (and q, k themselves) across the group's heads, so a tile covers fewer positions as r grows: at r = 1
 the 32 positions of the two-launch version, at r = 4 eight, which makes the dbias partials 1/BLOCK_T of
-dq̂'s size (r = 4: 1/8, was 1/32). Warps: 8 for the forward, 4 for the backward, timed on an H200 (b4 l4096 h32
-g1 n128 a32, one process, benchmarks/results/README.md): the backward took 0.595 ms at 4 warps against 0.783
-at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it spills (below) and at 8 it does not
+dq̂'s size (r = 4: 1/8, was 1/32). Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
+timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
+0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it spills (below) and at 8 it does not
 (one 8-warp program fills an SM's registers, so only 8 warps are resident: too few to hide the loads'
 latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651 against 0.599). Splitting
 a group's heads over several backward programs (more programs, per-chunk dq/dk partials) did not help
@@ -79,7 +79,7 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-NUM_WARPS = 8       # forward, and the scores' backward (no spills at 8: 166 registers at r = 1, 190 at r = 4)
+NUM_WARPS = 8       # the scores' backward (no spills at 8: 166 registers at r = 1, 190 at r = 4)
 BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
 
 
@@ -90,6 +90,14 @@ def bwd_loop_stages(r):
     0.481, 4: 0.718); at r = 4, 1.96 ms with 1 against 2.13-3.38 with 2-4, where the larger tiles leave no
     room. The same in the scores' backward was slower (0.123 ms against 0.076), so that loop is plain."""
     return 3 if r == 1 else 1
+
+
+def fwd_num_warps(r):
+    """Warps of the forward: 8 at r = 1, 4 from r = 4 on. H200, b4 l4096 h32 n128, bf16: at r = 1 the forward
+    took 0.133 ms at 8 warps against 0.174 at 4; at r = 4, 0.651 against 0.599 (session 7), and the whole MIMO
+    r = 4 step's graph 10.74 ms at 4 against 10.79 at 8 (session 9, call 2). r = 2 keeps 8, r = 8 takes 4:
+    neither was timed."""
+    return 8 if r <= 2 else 4
 
 
 def tiles(r):
@@ -190,7 +198,7 @@ def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype, with_scores=False):
     rotary_qk_fwd_kernel[(triton.cdiv(T, block_t), h)](
         q, k, q_bias, k_bias, theta, q_out, k_out, scores, T, h, g, n, a,
         R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-        SCORES=with_scores, num_warps=NUM_WARPS)
+        SCORES=with_scores, num_warps=fwd_num_warps(r))
     return (q_out, k_out, scores) if with_scores else (q_out, k_out)
 
 
