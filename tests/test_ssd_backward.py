@@ -228,28 +228,6 @@ def test_kernel_backward_rejects_bad_reduction():
                                    reduction="tree")
 
 
-@pytest.mark.parametrize("g, reduction, narrow", [(4, "deterministic", True), (2, "deterministic", False),
-                                                  (4, "atomic", False)])
-def test_chunk_backward_writes_per_head_dB_dC_in_bc_dtype(g, reduction, narrow):
-    """chunk_scan_bwd's bc_dtype (what Mamba-3 passes): with every head its own group and the deterministic
-    reduction, dB and dC come out in it, each the fp32 result rounded once, and nothing else changes; where a
-    fold over heads or atomic adds follow (g < h, "atomic") they stay fp32."""
-    inp = make_inputs(2, 40, 4, 8, g, 8, D="hp")
-    x, dt, A, B, C = (inp[k] for k in NAMES[:5])
-    fwd = kernels.ssd_chunk_scan_fwd(x, dt, A, B, C, 16, D=inp["D"], dt_bias=inp["dt_bias"], dt_softplus=True)
-    dout, _ = cotangents(2, 40, 4, 8, 8)
-    dS = torch.randn(fwd.entering_states.shape, generator=torch.Generator().manual_seed(5)).to(x.device)
-    run = lambda **kw: kernels.chunk_scan_bwd(dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dS,
-                                              inp["D"], None, fwd.tiles, reduction, **kw)
-    wide, half = run(), run(bc_dtype=torch.float16)
-    for i, (w, got) in enumerate(zip(wide, half)):
-        if i in (2, 3):                                            # dB, dC
-            assert got.dtype == (torch.float16 if narrow else torch.float32)
-            assert torch.equal(got, w.to(got.dtype))
-        elif w is not None:
-            assert got.dtype == w.dtype and torch.equal(got, w), i
-
-
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 5e-2)])  # fp32: tf32 dots on a GPU

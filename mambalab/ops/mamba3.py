@@ -102,11 +102,8 @@ class Mamba3ScanFn(torch.autograd.Function):
     :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
     (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch, the
     scores' gradient included).
-    One Function, so that the scan's per-head dB, dC go straight into the rotary backward, which turns them
-    back and sums them over heads in fp32 (with q̂, k̂ the outputs of a Function of their own, autograd would
-    add a cast between, a pass over each). Under the deterministic reduction the scan writes them in x's
-    dtype, each head's rows once (:func:`mambalab.kernels.ssd.chunk_scan_bwd`'s ``bc_dtype``): they are the
-    largest tensors of the backward, (b, l·r, h, n), and the rotary backward reads them once.
+    One Function, so that the scan's fp32 dB, dC go straight into the rotary backward (with q̂, k̂ the outputs
+    of a Function of their own, autograd would cast those gradients to q̂'s dtype in between, a pass over each).
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
@@ -136,7 +133,7 @@ class Mamba3ScanFn(torch.autograd.Function):
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
         dscores = None if dscores is None else dscores.float().contiguous()
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
-                                                                   theta, dscores)   # dC, dB as they are
+                                                                   theta, dscores)   # fp32 dC, dB as they are
         return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
                 None, None, None)
 

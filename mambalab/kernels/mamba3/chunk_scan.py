@@ -43,8 +43,8 @@ class Mamba3ScanForward(NamedTuple):
 
 class Mamba3ScanGrads(NamedTuple):
     dx: torch.Tensor         # (b, l·R, h, p) x's dtype
-    dB: torch.Tensor         # (b, l·R, h, n): x's dtype ("deterministic"), fp32 ("atomic")
-    dC: torch.Tensor         # (b, l·R, h, n): as dB
+    dB: torch.Tensor         # (b, l·R, h, n) fp32
+    dC: torch.Tensor         # (b, l·R, h, n) fp32
     dadt: torch.Tensor       # (b, l, h) fp32
     dsigma: torch.Tensor     # (b, l, h) fp32
     dinitial: torch.Tensor | None
@@ -72,7 +72,6 @@ def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, l: int, r: int,
     dH_out = chunk_scan_bwd_dstates(dy, None, C, fwd.cs, cfg, p, _precision(x))
     dstates, dinit, da = state_passing_bwd(fwd.entering, fwd.cs, dH_out, dfinal, has_initial, cfg, reduction)
     dx, _, dB, dC, _, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
-        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x),
-        bc_dtype=x.dtype)
+        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x))
     dadt, dsigma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, l, r, cfg.block_h, cfg.num_warps)
     return Mamba3ScanGrads(dx, dB, dC, dadt, dsigma, dinit)
