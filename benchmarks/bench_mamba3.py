@@ -169,6 +169,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5,
                     help="alternating SISO forward+backward timings of mambalab and mamba-ssm, for a ratio from "
                          "neighbouring times")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the output gradient dout (the inputs use seed 0 and 1): the errors against the "
+                         "fp64 reference, d angles' above all, move with dout, so runs compare on one seed")
     ap.add_argument("--profile", action="store_true",
                     help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
@@ -181,10 +184,12 @@ def main():
     if args.precompile_rival:   # first: those processes also run kernels on the GPU, which would skew timings
         precompile_in_parallel(__file__, ["--out", args.out, "--shape", *map(str, args.shape)], args.precompile_rival)
     b, l, h, p, g, n, a = args.shape
-    result = {"environment": environment(), "shape": dict(b=b, l=l, h=h, p=p, g=g, n=n, a=a), "dtype": "bf16"}
+    result = {"environment": environment(), "shape": dict(b=b, l=l, h=h, p=p, g=g, n=n, a=a), "dtype": "bf16",
+              "dout_seed": args.seed}
 
     x1, m1 = make(b, l, h, p, g, n, a, 1)
-    dout = torch.randn(b, l, h, p, device="cuda").bfloat16()
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    dout = torch.randn(b, l, h, p, device="cuda", generator=gen).bfloat16()
     scan = {}
     # Ours first: mamba-ssm's Mamba-3 kernels autotune on their first call over about 190 configurations
     # (27 for its forward, 54 + 27 + 27 + 54 for its backward kernels), minutes of compiling on a fresh machine
