@@ -46,9 +46,9 @@ tiles (and q, k themselves) across the group's heads, so a tile covers fewer pos
 the 32 positions of the two-launch version, at r = 4 eight, which makes the dbias partials 1/BLOCK_T of
 dq̂'s size (r = 4: 1/8, was 1/32). Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
 timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
-0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it spills (below) and at 8 it does not
-(one 8-warp program fills an SM's registers, so only 8 warps are resident: too few to hide the loads'
-latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651 against 0.599). Splitting
+0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
+spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
+too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651 against 0.599). Splitting
 a group's heads over several backward programs (more programs, per-chunk dq/dk partials) did not help
 (0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the program count, limits it.
 Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
