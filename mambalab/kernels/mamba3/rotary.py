@@ -48,9 +48,10 @@ dq̂'s size (r = 4: 1/8, was 1/32). Warps: the forward's by rank (:func:`fwd_num
 timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
 0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
 spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
-too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651 against 0.599). Splitting
-a group's heads over several backward programs (more programs, per-chunk dq/dk partials) did not help
-(0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the program count, limits it.
+too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651
+against 0.599). Splitting a group's heads over several backward programs (more programs, per-chunk dq/dk
+partials) did not help (0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the
+program count, limits it.
 Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
 benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
 changed):
