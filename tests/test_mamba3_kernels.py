@@ -10,13 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
-                                     rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
+from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, correction_bwd, correction_fwd,
+                                     rank_cumsum_bwd, rank_cumsum_fwd, rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
                                      rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_inputs, rank_outputs, within_step_scores, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, correction_coefficients, cumulative_angle,
+                                 expand_ranks, mamba3_chunked, mamba3_step_ref, rank_inputs, rank_outputs,
+                                 step_weights, within_step_scores, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -268,6 +269,37 @@ def test_rank_inputs_kernel(r):
         rank_inputs_bwd(dev(dx)[:-1], dev(v), dev(wv))
     with pytest.raises(ValueError, match=r"W\^V \(h, r, p\) fp32"):
         rank_inputs_fwd(dev(v), dev(wv)[:, :, :-1])
+
+
+@pytest.mark.parametrize("r, g, h, n", [(2, 2, 4, 20), (4, 1, 3, 16), (8, 1, 2, 12)])
+def test_correction_kernel(r, g, h, n):
+    """MIMO's correction coefficients c ⊙ (q̃ · k̃) against ref.correction_coefficients over
+    ref.within_step_scores, forward and every gradient (dq, dk summed over a group's heads; db^Q, db^K over
+    positions by partials; dγ, dσ). b·l = 2·13 positions: a padded last block of rows; n = 20, 12: padded."""
+    b, l = 2, 13
+    gen = torch.Generator().manual_seed(r + g)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    q, k = rnd(b, l, r, g, n), rnd(b, l, r, g, n)
+    qb, kb = rnd(h, r, n), rnd(h, r, n)
+    gamma, sigma = step_weights(rnd(b, l, h).exp(), torch.sigmoid(rnd(b, l, h)))
+    given = dict(q=q, k=k, q_bias=qb, k_bias=kb, gamma=gamma, sigma=sigma)
+    leaves_ = {name: t.detach().requires_grad_(True) for name, t in given.items()}
+    want = correction_coefficients(within_step_scores(leaves_["q"], leaves_["k"], leaves_["q_bias"],
+                                                      leaves_["k_bias"]), leaves_["gamma"], leaves_["sigma"])
+    dcoef = rnd(*want.shape)
+    grads = torch.autograd.grad((want * dcoef).sum(), list(leaves_.values()))
+    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
+    args = [dev(t) for t in given.values()]
+    got = correction_fwd(*args)
+    assert got.shape == (b, l, h, r, r) and got.dtype == torch.float32
+    assert_close(got, want, "coef", 1e-5)
+    for name, g_, w in zip(given, correction_bwd(dev(dcoef), *args), grads):
+        assert g_.shape == w.shape, name
+        assert_close(g_, w, f"d{name}", 1e-5)
+    with pytest.raises(ValueError, match=r"dcoef must have coef's shape"):
+        correction_bwd(dev(dcoef)[:, 1:], *args)
+    with pytest.raises(ValueError, match=r"power-of-two rank 2 <= r"):
+        correction_fwd(args[0][:, :, :1], args[1][:, :, :1], *args[2:])
 
 
 # ---------------------------------------------------------------------------------------------- decode step

@@ -8,11 +8,10 @@
   programs through ``reduction``, and the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`), which
   takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
   (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r': for SISO they come out of the
-  rotary forward and their gradient goes into the rotary backward (:data:`FUSED_SCORES_RANKS`); for MIMO they
-  are small matmuls over n (:func:`~mambalab.ref.mamba3.within_step_scores`). MIMO's rank inputs v ⊙ W^V_r
-  are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights and the
-  coefficients formed from the scores are PyTorch around the kernels, differentiated by autograd (no atomics,
-  no index_add).
+  rotary forward and their gradient goes into the rotary backward; for MIMO the coefficients formed from
+  them are a kernel of their own each way (:mod:`mambalab.kernels.mamba3.correction`). MIMO's rank inputs
+  v ⊙ W^V_r are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights (and SISO's coefficient) are PyTorch around
+  the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -30,17 +29,15 @@ from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
-                                 entering_state, step_weights, within_step_scores)
+                                 entering_state, step_weights)
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _CHECKS = validate.SignatureCache()   # _check's outcomes by signature (about 65 µs of Python a call saved)
-# Ranks whose within-step scores come out of the rotary kernels. H200, b4 l4096 h32 p64 n128 bf16 (session 7,
-# call 1; benchmarks/results/README.md): at r = 1 the fused path ran SISO forward+backward in 3.30 ms, 1.16×
-# mamba-ssm's time in the same process, where the matmul path took 4.54 ms (4.16 in session 6's call 15): one
-# small kernel instead of 12 bmm + 4 gemv and their host work. At r = 4 the rotary forward with r² scores per
-# head took 1.79 ms of kernel time instead of 0.65 and the scores' backward 1.10 ms: MIMO r = 4 went from
-# 15.9 to 17.3 ms, so MIMO keeps the matmuls.
-FUSED_SCORES_RANKS = (1,)
+# Where the within-step scores come from. SISO: the rotary kernels (H200, b4 l4096 h32 p64 n128 bf16, session 7,
+# call 1; benchmarks/results/README.md: SISO forward+backward 3.30 ms, 1.16× mamba-ssm's time in the same
+# process, where a dozen small matmuls took 4.54 ms). MIMO: not the rotary kernels (at r = 4 r² scores a head
+# took its forward from 0.65 to 1.79 ms and the scores' backward 1.10 ms: MIMO r = 4 went from 15.9 to 17.3 ms)
+# but kernels.mamba3.correction, which forms the coefficients from q, k and the biases (session 10).
 _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
           "mimo_o")
 
@@ -98,7 +95,7 @@ class AngleFn(torch.autograd.Function):
 
 class Mamba3ScanFn(torch.autograd.Function):
     """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ and, for
-    the ranks in :data:`FUSED_SCORES_RANKS`, the within-step scores q̂_r · k̂_r' in one launch) and
+    SISO, the within-step scores q̂_r · k̂_r' in one launch) and
     :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
     (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch, the
     scores' gradient included).
@@ -114,7 +111,7 @@ class Mamba3ScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, initial, r, chunk_size, reduction):
         q_hat, k_hat, *scores = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype,  # one launch,
-                                                       with_scores=r in FUSED_SCORES_RANKS)   # (b, l, r, h, n)
+                                                       with_scores=r == 1)                 # (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
         fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
         ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, fwd.delta, fwd.cs, fwd.entering)
@@ -152,6 +149,22 @@ class RankInputsFn(torch.autograd.Function):
     def backward(ctx, dx):
         v, wv = ctx.saved_tensors
         return _kernels.rank_inputs_bwd(dx.contiguous(), v, wv)
+
+
+class CorrectionFn(torch.autograd.Function):
+    """MIMO's within-step correction coefficients c ⊙ (q̃ · k̃): :func:`mambalab.kernels.mamba3.correction_fwd` /
+    ``correction_bwd`` (one launch each way, plus the fold of db^Q, db^K's partials). q, k (b, l, r, g, n) in
+    the kernels' dtype; q_bias, k_bias (h, r, n) fp32; gamma, sigma (b, l, h) fp32 -> (b, l, h, r, r) fp32."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_bias, k_bias, gamma, sigma):
+        args = tuple(t.contiguous() for t in (q, k, q_bias, k_bias, gamma, sigma))
+        ctx.save_for_backward(*args)
+        return _kernels.correction_fwd(*args)
+
+    @staticmethod
+    def backward(ctx, dcoef):
+        return _kernels.correction_bwd(dcoef.float().contiguous(), *ctx.saved_tensors)
 
 
 class RankOutputsFn(torch.autograd.Function):
@@ -220,13 +233,14 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
                                            k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
                                            None if entering0 is None else entering0.contiguous(), r, chunk_size,
                                            reduction)
-    # scores: q̂_{t,r} · k̂_{t,r'} (b, l, h, r, r') fp32, from the rotary kernel or (MIMO) small matmuls
-    scores = scores[0] if scores else within_step_scores(q.float(), k.float(), q_bias, k_bias)
-    # MIMO: the kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (b, l, h, r, p) from these for their tile;
-    # SISO: M = c_{0,0} q̂·k̂ + D, one number per position and head, with D added here
-    coef = correction_coefficients(scores, gamma, sigma)                      # (b, l, h, r, r')
-    if not mimo and D is not None:
-        coef = coef + D[:, None, None]
+    # the correction's coefficients c_{r,r'} (q̂_{t,r} · k̂_{t,r'}) (b, l, h, r, r') fp32. MIMO: one kernel each
+    # way, and the output kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r for their tile from them;
+    # SISO: the scores come out of the rotary kernel and M = c_{0,0} q̂·k̂ + D, one number per position and head
+    if mimo:
+        coef = CorrectionFn.apply(q, k, q_bias, k_bias, gamma, sigma)
+    else:
+        coef = correction_coefficients(scores[0], gamma, sigma)
+        coef = coef if D is None else coef + D[:, None, None]
     out = RankOutputsFn.apply(y.view(T, r, h, p), v_rows,
                               None if z is None else z.reshape(T, h, p).contiguous(),
                               coef.reshape(T, h, r, r).contiguous(), mimo_v.contiguous() if mimo else None,
