@@ -292,14 +292,15 @@ def test_correction_kernel(r, g, h, n):
     dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
     args = [dev(t) for t in given.values()]
     tol = 1e-5 if KERNEL_DEVICE == "cpu" else 3e-3   # the dots: fp32 on the interpreter, tf32 on a GPU
-    got = correction_fwd(*args)
-    assert got.shape == (b, l, h, r, r) and got.dtype == torch.float32
+    got, scores = correction_fwd(*args)
+    assert got.shape == scores.shape == (b, l, h, r, r) and got.dtype == scores.dtype == torch.float32
     assert_close(got, want, "coef", tol)
-    for name, g_, w in zip(given, correction_bwd(dev(dcoef), *args), grads):
+    assert_close(scores, within_step_scores(q, k, qb, kb), "s", tol)
+    for name, g_, w in zip(given, correction_bwd(dev(dcoef), *args, scores), grads):
         assert g_.shape == w.shape, name
         assert_close(g_, w, f"d{name}", tol)
     with pytest.raises(ValueError, match=r"dcoef must have coef's shape"):
-        correction_bwd(dev(dcoef)[:, 1:], *args)
+        correction_bwd(dev(dcoef)[:, 1:], *args, scores)
     with pytest.raises(ValueError, match=r"power-of-two rank 2 <= r"):
         correction_fwd(args[0][:, :, :1], args[1][:, :, :1], *args[2:])
 

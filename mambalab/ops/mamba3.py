@@ -9,9 +9,9 @@
   takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
   (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r': for SISO they come out of the
   rotary forward and their gradient goes into the rotary backward; for MIMO the coefficients formed from
-  them are a kernel of their own each way (:mod:`mambalab.kernels.mamba3.correction`). MIMO's rank inputs
-  v ⊙ W^V_r are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights (and SISO's coefficient) are PyTorch around
-  the kernels, differentiated by autograd (no atomics, no index_add).
+  them are kernels of their own (:mod:`mambalab.kernels.mamba3.correction`). MIMO's rank inputs v ⊙ W^V_r
+  are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights (and SISO's
+  coefficient) are PyTorch around the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -153,14 +153,16 @@ class RankInputsFn(torch.autograd.Function):
 
 class CorrectionFn(torch.autograd.Function):
     """MIMO's within-step correction coefficients c ⊙ (q̃ · k̃): :func:`mambalab.kernels.mamba3.correction_fwd` /
-    ``correction_bwd`` (one launch each way, plus the fold of db^Q, db^K's partials). q, k (b, l, r, g, n) in
-    the kernels' dtype; q_bias, k_bias (h, r, n) fp32; gamma, sigma (b, l, h) fp32 -> (b, l, h, r, r) fp32."""
+    ``correction_bwd`` (one launch forward, which also writes the scores s for the backward; two backward, plus
+    the fold of db^Q, db^K's partials). q, k (b, l, r, g, n) in the kernels' dtype; q_bias, k_bias (h, r, n)
+    fp32; gamma, sigma (b, l, h) fp32 -> (b, l, h, r, r) fp32."""
 
     @staticmethod
     def forward(ctx, q, k, q_bias, k_bias, gamma, sigma):
         args = tuple(t.contiguous() for t in (q, k, q_bias, k_bias, gamma, sigma))
-        ctx.save_for_backward(*args)
-        return _kernels.correction_fwd(*args)
+        coef, scores = _kernels.correction_fwd(*args)
+        ctx.save_for_backward(*args, scores)
+        return coef
 
     @staticmethod
     def backward(ctx, dcoef):

@@ -1,4 +1,4 @@
-"""MIMO's within-step correction coefficients in one kernel each way, on tl.dot (nothing rotated).
+"""MIMO's within-step correction coefficients and their gradients, as Triton kernels on tl.dot (nothing rotated).
 
 What the rank-expanded SSD gets wrong inside a step is fixed by a coefficient per position t, head h and pair of
 ranks (i, j) (:func:`mambalab.ref.mamba3.within_step_correction`):
@@ -22,24 +22,25 @@ Backward, from dcoef, with dS = dcoef ⊙ c (every term's transpose; A = Σ_h dS
     dγ_t = Σ_{i,j} dcoef ⊙ s,    dσ_t = -Σ_{j <= i} dcoef ⊙ s
 
 Programs: (block of BLOCK_T positions, group), rows ρ = t·R + i (ROWS = BLOCK_T·R of them, all of n), a loop
-over the group's heads EB at a time (columns (head, rank), COLUMNS = EB·R). The forward is one kernel; the
-backward two, each with that loop: one for dq, dk, summed over the group's heads by the dots in registers, one
-for the rest (the biases' partials, dγ, dσ), which forms s again. db^Q, db^K and dbb are per-program partials
-folded by :func:`mambalab.kernels.reduce.sum_partials` (a fixed order), and :func:`correction_bwd` adds dbb's
-share of db^Q, db^K. No atomics: the bits repeat run to run. The dots take fp32 operands at the project's rule
-(:func:`mambalab.device.dot_precision`: tf32 on a GPU, so s carries about 1e-3 of its scale in error; the
-tests on a GPU compare at that).
+over the group's heads EB at a time (columns (head, rank), COLUMNS = EB·R). The forward is one kernel, and
+writes s beside coef for the backward. The backward is two, each with that loop: one for dq, dk (summed over
+the group's heads by the dots, in registers) and dγ, dσ (from s); one for the biases' partials. db^Q, db^K
+and dbb are per-program partials folded by :func:`mambalab.kernels.reduce.sum_partials` (a fixed order), and
+:func:`correction_bwd` adds dbb's share of db^Q, db^K. No atomics: the bits repeat run to run. The dots take
+fp32 operands at the project's rule (:func:`mambalab.device.dot_precision`: tf32 on a GPU, so s carries about
+1e-3 of its scale in error; the tests on a GPU compare at that).
 
 What this replaces (for r > 1): :func:`~mambalab.ref.mamba3.within_step_scores`' four einsums and
 :func:`~mambalab.ref.mamba3.correction_coefficients`, PyTorch ops whose autograd adds a dozen bmm, copies and
-sums a step. Measured (H200, session 10, call 4; MIMO forward+backward as CUDA graphs at b4 l4096 h32 p64 n128,
-bf16, against that PyTorch path in the same process): r = 4, chunk 16, 11.26 ms against 11.52; r = 2,
-5.90 against 6.18; r = 8, 24.55 against 25.32 (r = 2 and 8 at COLUMNS = 32). The kernels took 0.07 ms
-(forward) and 0.45 + 0.67 ms (backward) of a step at r = 4. The whole op's errors against the fp64 reference
-equal the PyTorch path's in every printed digit (db^Q, db^K: 0.38 % against 0.39 %). Other tiles at r = 4:
-32 rows 14.0 ms; 4 warps in the backward 11.27, 8 in the forward 11.48; fp32-accurate dots ("tf32x3")
-spilled and took 13.1-14.0 ms. An elementwise kernel (a program per head, row sums over n) took 3.5 ms for
-its backward alone.
+sums a step. Measured on an H200 (session 10, calls 4 and 5; MIMO forward+backward as CUDA graphs at b4 l4096
+h32 p64 n128, bf16, against that PyTorch path in the same process): r = 4, chunk 16, 11.00 ms against 11.58;
+r = 2, chunk 32, 5.83 against 6.19; r = 8, chunk 8, 24.53 against 25.49 (r = 2 and 8 with 8 warps in the
+backward). At r = 4 the forward kernel took 0.08 ms a step, the backward's two 0.40 and 0.43 ms (at 8 warps).
+The whole op's errors against the fp64 reference equal the PyTorch path's in every printed digit but db^Q,
+db^K (0.382 and 0.426 % against 0.386 and 0.431 %); 1 bit pattern in 3 runs. Other variants at r = 4: 8 warps in
+the backward 11.22 ms, 8 in both 11.27, 32 columns 11.42; the backward forming s again instead of reading it
+11.33 (and 32 rows with it 14.0); fp32-accurate dots ("tf32x3") spilled and took 13.1-14.0 ms. A first,
+elementwise version (a program per head, row sums over n) took 3.5 ms for its backward alone.
 
 Shapes: q, k (b, l, r, g, n) in the kernels' dtype, contiguous; q_bias, k_bias (h, r, n) fp32; gamma, sigma
 (b, l, h) fp32; coef (b, l, h, r, r) fp32.
@@ -56,7 +57,7 @@ from mambalab.kernels.reduce import sum_partials
 ROWS = 64         # rows (position, rank) a program: ROWS / r positions
 COLUMNS = 16      # columns (head, rank) a step of the loop over a group's heads: COLUMNS / r heads (at least 1)
 NUM_WARPS = 4
-BWD_NUM_WARPS = 8
+BWD_NUM_WARPS = 4
 
 
 @triton.jit
@@ -129,6 +130,7 @@ def correction_fwd_kernel(
     bb_ptr,                   # (h, R, R) fp32: b^Q_i · b^K_j
     gamma_ptr, sigma_ptr,     # (T, h) fp32
     coef_ptr,                 # (T, h, R, R) fp32 out
+    scores_ptr,               # (T, h, R, R) fp32 out: s, for the backward
     T, h, g, n,
     R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -149,20 +151,24 @@ def correction_fwd_kernel(
         gm = tl.load(gamma_ptr + th, mask=mask2, other=0.0)
         sg = tl.load(sigma_ptr + th, mask=mask2, other=0.0)
         c = tl.where(i[:, None] < j[None, :], gm, gm - sg)
-        tl.store(coef_ptr + (th * R + i[:, None]) * R + j[None, :], c * s, mask=mask2)
+        at = (th * R + i[:, None]) * R + j[None, :]
+        tl.store(coef_ptr + at, c * s, mask=mask2)
+        tl.store(scores_ptr + at, s, mask=mask2)
 
 
 @triton.jit
 def _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R: tl.constexpr, BLOCK_T: tl.constexpr,
                    EB: tl.constexpr):
-    """A step of the head loop: dcoef and dS = dcoef ⊙ c over rows (t, i), columns (head, j), and dS with the
-    ranks swapped (rows (t, j), columns (head, i)), (BLOCK_T·R, EB·R) each."""
+    """A step of the head loop: the offsets of (t, head, i, j) in a (T, h, R, R) array, dcoef and dS = dcoef ⊙ c
+    over rows (t, i), columns (head, j), and dS with the ranks swapped (rows (t, j), columns (head, i)),
+    (BLOCK_T·R, EB·R) each."""
     th = t[:, None] * h + hd[None, :]
     gm = tl.load(gamma_ptr + th, mask=mask2, other=0.0)
     sg = tl.load(sigma_ptr + th, mask=mask2, other=0.0)
-    dco = tl.load(dcoef_ptr + (th * R + i[:, None]) * R + j[None, :], mask=mask2, other=0.0)
+    at = (th * R + i[:, None]) * R + j[None, :]
+    dco = tl.load(dcoef_ptr + at, mask=mask2, other=0.0)
     ds = dco * tl.where(i[:, None] < j[None, :], gm, gm - sg)
-    return dco, ds, _swap_ranks(ds, R, BLOCK_T, EB)
+    return at, dco, ds, _swap_ranks(ds, R, BLOCK_T, EB)
 
 
 @triton.jit
@@ -171,12 +177,15 @@ def correction_bwd_qk_kernel(
     q_bias_ptr, k_bias_ptr,   # (h, R, n) fp32
     gamma_ptr, sigma_ptr,     # (T, h) fp32
     dcoef_ptr,                # (T, h, R, R) fp32
+    scores_ptr,               # (T, h, R, R) fp32: the forward's s
     dq_ptr, dk_ptr,           # (T, R, g, n) out, q's dtype
+    dgamma_ptr, dsigma_ptr,   # (T, h) fp32 out
     T, h, g, n,
     R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """dq and dk, summed over the group's heads: Σ_h dS b^K (one dot a step of the head loop) and the
-    per-position blocks A = Σ_h dS times k (one block-diagonal dot at the end); dk the same way round."""
+    per-position blocks A = Σ_h dS times k (one block-diagonal dot at the end); dk the same way round. And
+    dγ, dσ from dcoef and the forward's s."""
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
     E = h // g
@@ -185,14 +194,22 @@ def correction_bwd_qk_kernel(
     dk = tl.zeros((BLOCK_T * R, BLOCK_N), dtype=tl.float32)
     a_q = tl.zeros((BLOCK_T * R, R), dtype=tl.float32)    # Σ_h dS_{t,h,i,j} at row (t, i), column j
     a_k = tl.zeros((BLOCK_T * R, R), dtype=tl.float32)    # Σ_h dS_{t,h,i,j} at row (t, j), column i
+    pos = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     for m0 in range(0, E, EB):
         m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
         mask2 = mask_row[:, None] & mask_col[None, :]
-        _, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
+        at, dco, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
         dq += tl.dot(ds, tl.load(k_bias_ptr + bias, mask=mask_b, other=0.0), input_precision=PRECISION)
         dk += tl.dot(ds_t, tl.load(q_bias_ptr + bias, mask=mask_b, other=0.0), input_precision=PRECISION)
         a_q += tl.sum(tl.reshape(ds, (BLOCK_T * R, EB, R)), axis=1)
         a_k += tl.sum(tl.reshape(ds_t, (BLOCK_T * R, EB, R)), axis=1)
+        p = dco * tl.load(scores_ptr + at, mask=mask2, other=0.0)                  # dcoef ⊙ s
+        below = tl.where(j[None, :] <= i[:, None], p, 0.0)
+        mask_pm = (pos < T)[:, None] & (m0 + tl.arange(0, EB) < E)[None, :]
+        out = pos[:, None] * h + grp * E + m0 + tl.arange(0, EB)[None, :]
+        tl.store(dgamma_ptr + out, tl.sum(tl.sum(tl.reshape(p, (BLOCK_T, R, EB, R)), axis=3), axis=1), mask=mask_pm)
+        tl.store(dsigma_ptr + out, -tl.sum(tl.sum(tl.reshape(below, (BLOCK_T, R, EB, R)), axis=3), axis=1),
+                 mask=mask_pm)
     q = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
     dq += tl.dot(_block_diagonal(a_q, t_loc, R, BLOCK_T), k, input_precision=PRECISION)
@@ -204,47 +221,32 @@ def correction_bwd_qk_kernel(
 @triton.jit
 def correction_bwd_params_kernel(
     q_ptr, k_ptr,             # (T, R, g, n)
-    q_bias_ptr, k_bias_ptr,   # (h, R, n) fp32
-    bb_ptr,                   # (h, R, R) fp32
     gamma_ptr, sigma_ptr,     # (T, h) fp32
     dcoef_ptr,                # (T, h, R, R) fp32
     dbias_ptr,                # (2, programs, h, R, n) fp32 out: partials of db^Q's and db^K's dot terms
     dbb_ptr,                  # (programs, h, R, R) fp32 out: partials of Σ_t dS
-    dgamma_ptr, dsigma_ptr,   # (T, h) fp32 out
     T, h, g, n, k_part,
     R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Everything but dq, dk: the biases' partials (dSᵀ k, dSᵀ q and Σ_t dS over the program's positions) and
-    dγ, dσ, which need s again (formed as in the forward)."""
+    """The biases' partials over the program's positions: dSᵀ k, dSᵀ q and Σ_t dS."""
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
     E = h // g
     t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(pid_t, T, g, grp, n, R, BLOCK_T, BLOCK_N)
     q = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
     k = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    qk = _same_position(tl.dot(q, tl.trans(k), input_precision=PRECISION), t_loc, R, BLOCK_T)
     part = pid_t.to(tl.int64) * h                          # this program's partials, head 0
-    pos = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     r_i = tl.arange(0, R)
     for m0 in range(0, E, EB):
         m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
-        qb = tl.load(q_bias_ptr + bias, mask=mask_b, other=0.0)
-        kb = tl.load(k_bias_ptr + bias, mask=mask_b, other=0.0)
         mask2 = mask_row[:, None] & mask_col[None, :]
-        dco, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
+        _, _, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
         rows_b = (part + hd[:, None]) * R * n + j[:, None] * n + offs_n[None, :]   # partial row (head, rank)
         tl.store(dbias_ptr + rows_b, tl.dot(tl.trans(ds_t), k, input_precision=PRECISION), mask=mask_b)
         tl.store(dbias_ptr + k_part + rows_b, tl.dot(tl.trans(ds), q, input_precision=PRECISION), mask=mask_b)
         dbb = tl.sum(tl.reshape(ds, (BLOCK_T, R, EB * R)), axis=0)          # (R_i, columns (h, j))
         tl.store(dbb_ptr + ((part + hd[None, :]) * R + r_i[:, None]) * R + j[None, :], dbb,
                  mask=(r_i < R)[:, None] & mask_col[None, :])
-        p = dco * _scores(q, k, qk, qb, kb, bb_ptr, hd, i, j, mask2, t_loc, R, BLOCK_T, EB, PRECISION)
-        below = tl.where(j[None, :] <= i[:, None], p, 0.0)
-        mask_pm = (pos < T)[:, None] & (m0 + tl.arange(0, EB) < E)[None, :]
-        out = pos[:, None] * h + grp * E + m0 + tl.arange(0, EB)[None, :]
-        tl.store(dgamma_ptr + out, tl.sum(tl.sum(tl.reshape(p, (BLOCK_T, R, EB, R)), axis=3), axis=1), mask=mask_pm)
-        tl.store(dsigma_ptr + out, -tl.sum(tl.sum(tl.reshape(below, (BLOCK_T, R, EB, R)), axis=3), axis=1),
-                 mask=mask_pm)
 
 
 def _launch(q, q_bias, gamma):
@@ -273,32 +275,33 @@ def bias_products(q_bias, k_bias):
 
 
 def correction_fwd(q, k, q_bias, k_bias, gamma, sigma):
-    """coef = c ⊙ (q̃ · k̃) (module docstring). q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32
-    contiguous; gamma, sigma (b, l, h) fp32 contiguous -> coef (b, l, h, r, r) fp32."""
+    """coef = c ⊙ s (module docstring). q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32
+    contiguous; gamma, sigma (b, l, h) fp32 contiguous -> (coef, s), each (b, l, h, r, r) fp32."""
     T, r, g, n, h, grid, meta = _launch(q, q_bias, gamma)
     coef = torch.empty(*gamma.shape, r, r, device=q.device, dtype=torch.float32)
-    correction_fwd_kernel[grid](q, k, q_bias, k_bias, bias_products(q_bias, k_bias), gamma, sigma, coef, T, h, g, n,
-                                **meta, num_warps=NUM_WARPS)
-    return coef
+    scores = torch.empty_like(coef)
+    correction_fwd_kernel[grid](q, k, q_bias, k_bias, bias_products(q_bias, k_bias), gamma, sigma, coef, scores,
+                                T, h, g, n, **meta, num_warps=NUM_WARPS)
+    return coef, scores
 
 
-def correction_bwd(dcoef, q, k, q_bias, k_bias, gamma, sigma):
-    """dcoef (b, l, h, r, r) fp32 contiguous; the forward's inputs -> (dq, dk (b, l, r, g, n) in q's dtype,
-    dq_bias, dk_bias (h, r, n) fp32, dgamma, dsigma (b, l, h) fp32)."""
+def correction_bwd(dcoef, q, k, q_bias, k_bias, gamma, sigma, scores):
+    """dcoef (b, l, h, r, r) fp32 contiguous; the forward's inputs and its s -> (dq, dk (b, l, r, g, n) in q's
+    dtype, dq_bias, dk_bias (h, r, n) fp32, dgamma, dsigma (b, l, h) fp32)."""
     T, r, g, n, h, grid, meta = _launch(q, q_bias, gamma)
-    if dcoef.shape != (*gamma.shape, r, r):
-        raise ValueError(f"dcoef must have coef's shape (b, l, h, r, r) = {(*gamma.shape, r, r)}; got "
-                         f"{tuple(dcoef.shape)}")
+    for name, t in (("dcoef", dcoef), ("scores", scores)):
+        if t.shape != (*gamma.shape, r, r):
+            raise ValueError(f"{name} must have coef's shape (b, l, h, r, r) = {(*gamma.shape, r, r)}; got "
+                             f"{tuple(t.shape)}")
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     f32 = dict(device=q.device, dtype=torch.float32)
     partials = torch.empty(2, grid[0], h, r, n, **f32)
     dbb_partials = torch.empty(grid[0], h, r, r, **f32)
     dgamma, dsigma = torch.empty_like(gamma), torch.empty_like(sigma)
-    correction_bwd_qk_kernel[grid](q, k, q_bias, k_bias, gamma, sigma, dcoef, dq, dk, T, h, g, n, **meta,
-                                   num_warps=BWD_NUM_WARPS)
-    correction_bwd_params_kernel[grid](q, k, q_bias, k_bias, bias_products(q_bias, k_bias), gamma, sigma, dcoef,
-                                       partials, dbb_partials, dgamma, dsigma, T, h, g, n, partials.stride(0),
-                                       **meta, num_warps=BWD_NUM_WARPS)
+    correction_bwd_qk_kernel[grid](q, k, q_bias, k_bias, gamma, sigma, dcoef, scores, dq, dk, dgamma, dsigma,
+                                   T, h, g, n, **meta, num_warps=BWD_NUM_WARPS)
+    correction_bwd_params_kernel[grid](q, k, gamma, sigma, dcoef, partials, dbb_partials, T, h, g, n,
+                                       partials.stride(0), **meta, num_warps=BWD_NUM_WARPS)
     dbias = sum_partials(partials, dim=1)                     # (2, h, r, n): the dot terms, q's and k's
     dbb = sum_partials(dbb_partials, dim=0)                   # (h, r, r)
     dq_bias = dbias[0] + (dbb[:, :, :, None] * k_bias[:, None, :, :]).sum(2)   # Σ_j dbb_{i,j} b^K_j
