@@ -61,9 +61,12 @@ BWD_NUM_WARPS = 4
 
 
 @triton.jit
-def _program(pid_t, T, g, grp, n, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A program's rows (t, i): local position and rank of each row, positions t (int64), the row mask, n's
-    offsets and mask, and q, k's rows (t, i) of group grp in fp32, (BLOCK_T·R, BLOCK_N) each."""
+def _program(T, h, g, n, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What a program (position block, group) works on: its ids, the group's head count E, and its rows (t, i):
+    local position and rank of each row, positions t (int64), the row mask, n's offsets and mask, and the
+    offsets of rows (t, i) of its group in a (T, R, g, n) array with their mask."""
+    pid_t = tl.program_id(0)
+    grp = tl.program_id(1)
     rho = tl.arange(0, BLOCK_T * R)
     t_loc = rho // R
     i = rho % R
@@ -73,7 +76,14 @@ def _program(pid_t, T, g, grp, n, R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_
     mask_n = offs_n < n
     mask = mask_row[:, None] & mask_n[None, :]
     src = ((t * R + i) * g + grp)[:, None] * n + offs_n[None, :]
-    return t_loc, i, t, mask_row, offs_n, mask_n, mask, src
+    return pid_t, grp, h // g, t_loc, i, t, mask_row, offs_n, mask_n, mask, src
+
+
+@triton.jit
+def _rows(q_ptr, k_ptr, src, mask):
+    """q's and k's rows at ``src`` in fp32."""
+    return (tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32),
+            tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -134,12 +144,8 @@ def correction_fwd_kernel(
     T, h, g, n,
     R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
-    E = h // g
-    t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(pid_t, T, g, grp, n, R, BLOCK_T, BLOCK_N)
-    q = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    pid_t, grp, E, t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(T, h, g, n, R, BLOCK_T, BLOCK_N)
+    q, k = _rows(q_ptr, k_ptr, src, mask)
     qk = _same_position(tl.dot(q, tl.trans(k), input_precision=PRECISION), t_loc, R, BLOCK_T)   # (rows, R)
     for m0 in range(0, E, EB):
         m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
@@ -186,10 +192,7 @@ def correction_bwd_qk_kernel(
     """dq and dk, summed over the group's heads: Σ_h dS b^K (one dot a step of the head loop) and the
     per-position blocks A = Σ_h dS times k (one block-diagonal dot at the end); dk the same way round. And
     dγ, dσ from dcoef and the forward's s."""
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
-    E = h // g
-    t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(pid_t, T, g, grp, n, R, BLOCK_T, BLOCK_N)
+    pid_t, grp, E, t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(T, h, g, n, R, BLOCK_T, BLOCK_N)
     dq = tl.zeros((BLOCK_T * R, BLOCK_N), dtype=tl.float32)
     dk = tl.zeros((BLOCK_T * R, BLOCK_N), dtype=tl.float32)
     a_q = tl.zeros((BLOCK_T * R, R), dtype=tl.float32)    # Σ_h dS_{t,h,i,j} at row (t, i), column j
@@ -210,8 +213,7 @@ def correction_bwd_qk_kernel(
         tl.store(dgamma_ptr + out, tl.sum(tl.sum(tl.reshape(p, (BLOCK_T, R, EB, R)), axis=3), axis=1), mask=mask_pm)
         tl.store(dsigma_ptr + out, -tl.sum(tl.sum(tl.reshape(below, (BLOCK_T, R, EB, R)), axis=3), axis=1),
                  mask=mask_pm)
-    q = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    q, k = _rows(q_ptr, k_ptr, src, mask)
     dq += tl.dot(_block_diagonal(a_q, t_loc, R, BLOCK_T), k, input_precision=PRECISION)
     dk += tl.dot(_block_diagonal(a_k, t_loc, R, BLOCK_T), q, input_precision=PRECISION)
     tl.store(dq_ptr + src, dq.to(dq_ptr.dtype.element_ty), mask=mask)
@@ -229,12 +231,8 @@ def correction_bwd_params_kernel(
     R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The biases' partials over the program's positions: dSᵀ k, dSᵀ q and Σ_t dS."""
-    pid_t = tl.program_id(0)
-    grp = tl.program_id(1)
-    E = h // g
-    t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(pid_t, T, g, grp, n, R, BLOCK_T, BLOCK_N)
-    q = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
+    pid_t, grp, E, t_loc, i, t, mask_row, offs_n, mask_n, mask, src = _program(T, h, g, n, R, BLOCK_T, BLOCK_N)
+    q, k = _rows(q_ptr, k_ptr, src, mask)
     part = pid_t.to(tl.int64) * h                          # this program's partials, head 0
     r_i = tl.arange(0, R)
     for m0 in range(0, E, EB):
