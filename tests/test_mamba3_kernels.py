@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, correction_bwd, correction_fwd,
-                                     rank_cumsum_bwd, rank_cumsum_fwd, rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
-                                     rotary_qk_bwd, rotary_qk_fwd)
+                                     rank_cumsum_bwd, rank_cumsum_fwd, rank_inputs_bwd, rank_inputs_fwd,
+                                     rank_outputs_bwd, rank_outputs_fwd, rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, correction_coefficients, cumulative_angle,

@@ -33,11 +33,6 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, corr
 
 REDUCTIONS = (None, "atomic", "deterministic")
 _CHECKS = validate.SignatureCache()   # _check's outcomes by signature (about 65 µs of Python a call saved)
-# Where the within-step scores come from. SISO: the rotary kernels (H200, b4 l4096 h32 p64 n128 bf16, session 7,
-# call 1; benchmarks/results/README.md: SISO forward+backward 3.30 ms, 1.16× mamba-ssm's time in the same
-# process, where a dozen small matmuls took 4.54 ms). MIMO: not the rotary kernels (at r = 4 r² scores a head
-# took its forward from 0.65 to 1.79 ms and the scores' backward 1.10 ms: MIMO r = 4 went from 15.9 to 17.3 ms)
-# but kernels.mamba3.correction, which forms the coefficients from q, k and the biases (session 10).
 _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
           "mimo_o")
 
@@ -235,9 +230,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
                                            k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
                                            None if entering0 is None else entering0.contiguous(), r, chunk_size,
                                            reduction)
-    # the correction's coefficients c_{r,r'} (q̂_{t,r} · k̂_{t,r'}) (b, l, h, r, r') fp32. MIMO: one kernel each
-    # way, and the output kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r for their tile from them;
-    # SISO: the scores come out of the rotary kernel and M = c_{0,0} q̂·k̂ + D, one number per position and head
+    # the correction's coefficients c_{r,r'} (q̂_{t,r} · k̂_{t,r'}) (b, l, h, r, r') fp32, from which the output
+    # kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r for their tile. SISO: the scores come out of the
+    # rotary forward (H200, session 7: SISO forward+backward 3.30 ms, where a dozen small matmuls took 4.54) and
+    # M = c_{0,0} q̂·k̂ + D is one number per position and head. MIMO: kernels.mamba3.correction (r² scores a
+    # head in the rotary kernels took MIMO r = 4 from 15.9 to 17.3 ms in session 7; benchmarks/results/README.md)
     if mimo:
         coef = CorrectionFn.apply(q, k, q_bias, k_bias, gamma, sigma)
     else:
