@@ -35,7 +35,7 @@ What this replaces (for r > 1): :func:`~mambalab.ref.mamba3.within_step_scores`'
 sums a step. Measured on an H200 (session 10, calls 4 and 5; MIMO forward+backward as CUDA graphs at b4 l4096
 h32 p64 n128, bf16, against that PyTorch path in the same process): r = 4, chunk 16, 11.00 ms against 11.58;
 r = 2, chunk 32, 5.83 against 6.19; r = 8, chunk 8, 24.53 against 25.49 (r = 2 and 8 with 8 warps in the
-backward). At r = 4 the forward kernel took 0.08 ms a step, the backward's two 0.40 and 0.43 ms (at 8 warps).
+backward). At r = 4 the forward kernel took 0.08 ms a step, the backward's two 0.33 and 0.28 ms (call 6).
 The whole op's errors against the fp64 reference equal the PyTorch path's in every printed digit but db^Q,
 db^K (0.382 and 0.426 % against 0.386 and 0.431 %); 1 bit pattern in 3 runs. Other variants at r = 4: 8 warps in
 the backward 11.22 ms, 8 in both 11.27, 32 columns 11.42; the backward forming s again instead of reading it
@@ -111,15 +111,15 @@ def _swap_ranks(x, R: tl.constexpr, BLOCK_T: tl.constexpr, EB: tl.constexpr):
 
 @triton.jit
 def _columns(m0, grp, E, h, n, offs_n, mask_n, R: tl.constexpr, EB: tl.constexpr):
-    """A step of the head loop: each column's head (int), rank, mask, and the offsets of its bias rows
-    (EB·R, BLOCK_N) in an (h, R, n) array."""
+    """A step of the head loop: each column's head, rank and mask, and the offsets of its bias rows
+    (EB·R, BLOCK_N) in an (h, R, n) array with their mask."""
     kappa = tl.arange(0, EB * R)
     m = m0 + kappa // R
     j = kappa % R
     hd = grp * E + m
     mask_col = m < E
     bias = (hd * R + j)[:, None] * n + offs_n[None, :]
-    return m, hd, j, mask_col, bias, mask_col[:, None] & mask_n[None, :]
+    return hd, j, mask_col, bias, mask_col[:, None] & mask_n[None, :]
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def correction_fwd_kernel(
     q, k = _rows(q_ptr, k_ptr, src, mask)
     qk = _same_position(tl.dot(q, tl.trans(k), input_precision=PRECISION), t_loc, R, BLOCK_T)   # (rows, R)
     for m0 in range(0, E, EB):
-        m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
+        hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
         qb = tl.load(q_bias_ptr + bias, mask=mask_b, other=0.0)
         kb = tl.load(k_bias_ptr + bias, mask=mask_b, other=0.0)
         mask2 = mask_row[:, None] & mask_col[None, :]
@@ -199,7 +199,7 @@ def correction_bwd_qk_kernel(
     a_k = tl.zeros((BLOCK_T * R, R), dtype=tl.float32)    # Σ_h dS_{t,h,i,j} at row (t, j), column i
     pos = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     for m0 in range(0, E, EB):
-        m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
+        hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
         mask2 = mask_row[:, None] & mask_col[None, :]
         at, dco, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
         dq += tl.dot(ds, tl.load(k_bias_ptr + bias, mask=mask_b, other=0.0), input_precision=PRECISION)
@@ -236,7 +236,7 @@ def correction_bwd_params_kernel(
     part = pid_t.to(tl.int64) * h                          # this program's partials, head 0
     r_i = tl.arange(0, R)
     for m0 in range(0, E, EB):
-        m, hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
+        hd, j, mask_col, bias, mask_b = _columns(m0, grp, E, h, n, offs_n, mask_n, R, EB)
         mask2 = mask_row[:, None] & mask_col[None, :]
         _, _, ds, ds_t = _step_gradient(gamma_ptr, sigma_ptr, dcoef_ptr, t, hd, i, j, h, mask2, R, BLOCK_T, EB)
         rows_b = (part + hd[:, None]) * R * n + j[:, None] * n + offs_n[None, :]   # partial row (head, rank)
