@@ -76,15 +76,15 @@ def differences(ours, theirs):
 def stages(x, dout, chunk, reduction):
     """Each kernel launch of mambalab's forward and backward timed alone (where the time goes)."""
     from mambalab.kernels.ssd import backward as bw
-    from mambalab.kernels.ssd import chunk_cumsum, chunk_scan, chunk_states, state_passing
+    from mambalab.kernels.ssd import chunk_cumsum, chunk_scan, chunk_states, state_passing, state_sweep
     from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
     prec = mambalab.device.dot_precision(xx.dtype, xx.device)   # what the op uses: TF32 dots for fp32 on a GPU
     f = ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True)
     cfg, lim = f.tiles, (0.0, float("inf"))
-    dH = chunk_scan.chunk_scan_bwd_dstates(dout, None, C, f.dA_cumsum, cfg, xx.shape[3], prec)
-    dS, _, da = state_passing.state_passing_bwd(f.entering_states, f.dA_cumsum, dH, None, False, cfg, reduction)
+    dS, _, da = state_sweep.state_sweep_bwd(dout, None, C, f.dA_cumsum, f.entering_states, None, False, cfg,
+                                            reduction, prec)
     sc = chunk_scan.chunk_scan_bwd(dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg,
                                    reduction, prec)
     t = {
@@ -93,10 +93,8 @@ def stages(x, dout, chunk, reduction):
         "fwd.state_passing": lambda: state_passing.state_passing_fwd(f.chunk_states, f.dA_cumsum, None, cfg),
         "fwd.chunk_scan": lambda: chunk_scan.chunk_scan_fwd(xx, B, C, f.delta, f.dA_cumsum, f.entering_states, D,
                                                            None, cfg, prec),
-        "bwd.chunk_scan_dstates": lambda: chunk_scan.chunk_scan_bwd_dstates(dout, None, C, f.dA_cumsum, cfg,
-                                                                           xx.shape[3], prec),
-        "bwd.state_passing": lambda: state_passing.state_passing_bwd(f.entering_states, f.dA_cumsum, dH, None,
-                                                                     False, cfg, reduction),
+        "bwd.state_sweep": lambda: state_sweep.state_sweep_bwd(dout, None, C, f.dA_cumsum, f.entering_states, None,
+                                                               False, cfg, reduction, prec),
         "bwd.chunk_scan": lambda: chunk_scan.chunk_scan_bwd(dout, xx, B, C, f.delta, f.dA_cumsum,
                                                             f.entering_states, dS, D, None, cfg, reduction, prec),
         "bwd.chunk_cumsum": lambda: chunk_cumsum.chunk_cumsum_bwd(dt, A, bias, True, lim, f.delta, sc[5], sc[6],

@@ -89,6 +89,26 @@ def test_chunk_scan_matches_reference(b, l, h, p, g, n, r, a, q, init, reduction
         assert_close(g[name], g_ref[name], f"d {name}", 1e-4)
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]], ids=["r1", "r4", "r8"])
+def test_chunk_scan_forward_sweep_matches_reference(case, monkeypatch):
+    """The forward sweep (kernels.ssd.state_sweep), which the tile rule picks for 16-bit inputs only, on the
+    CPU's fp32 too: the same comparison as above with the rule's ``sweep_forward`` set."""
+    import dataclasses
+
+    from mambalab.kernels.mamba3 import chunk_scan as scan_module
+
+    rule = scan_module.tile_config
+    picked = []
+
+    def sweeping(*args, **kw):
+        picked.append(rule(*args, **kw).sweep_forward)
+        return dataclasses.replace(rule(*args, **kw), sweep_forward=True)
+
+    monkeypatch.setattr(scan_module, "tile_config", sweeping)
+    test_chunk_scan_matches_reference(*case)
+    assert picked and not any(picked)   # fp32: the rule itself would have taken the split steps
+
+
 def test_backward_bits_repeat():
     """The deterministic backward gives the same bits on every run."""
     inp = make_mamba3_inputs(1, 9, 2, 16, 1, 16, 2, 4, dtype=torch.float32, seed=4, device=KERNEL_DEVICE)

@@ -7,13 +7,15 @@ With q̂, k̂, v_r laid out rank by rank along the sequence (l·R positions; see
 with C = q̂, B = k̂, x = v_r, Δ = σ and the decays of :mod:`mambalab.kernels.mamba3.rank_cumsum`. The
 steps are those of :mod:`mambalab.kernels.ssd` with step 0 replaced:
 
-    step 0  rank_cumsum     Δ, cs              (b, h, c, Q), Q = chunk_size · R positions per chunk
-    step 1  chunk_states    S                  (b, c, h, p, n)
-    step 2  state_passing   H̃ (entering), final
-    step 3  chunk_scan      Y                  (b, l·R, h, p), no D, no gate (the op adds them per rank)
+    step 0    rank_cumsum     Δ, cs              (b, h, c, Q), Q = chunk_size · R positions per chunk
+    steps 1-3 state_sweep     Y (b, l·R, h, p), H̃ (entering, for the backward), final: one program per
+                              (batch row, head, block of p) walks the chunks with the state on chip, for
+                              16-bit inputs; fp32 inputs take the SSD's split steps 1-3 (the tile rule's
+                              ``sweep_forward``). No D, no gate (the op adds them per rank)
 
-The backward runs the SSD's backwards (every sum over programs through ``reduction``: "deterministic" folds
-per-program partials with :func:`mambalab.kernels.reduce.sum_partials`) and then step 0's.
+The backward runs the same sweep backwards (dS_c and da_c, with dH^out_c never in memory), the SSD's chunk
+backward (every sum over programs through ``reduction``: "deterministic" folds per-program partials with
+:func:`mambalab.kernels.reduce.sum_partials`) and then step 0's.
 Tiles: :func:`mambalab.kernels.ssd.tiles.tile_config` for (h, p, n, Q).
 
 Shapes: B, C (b, l·R, h, n) and x (b, l·R, h, p), contiguous, in the compute dtype; adt, sigma (b, l, h) fp32;
@@ -28,8 +30,7 @@ import torch
 from mambalab import device
 
 from mambalab.kernels.mamba3.rank_cumsum import rank_cumsum_bwd, rank_cumsum_fwd
-from mambalab.kernels.ssd import (TileConfig, chunk_scan_bwd, chunk_scan_bwd_dstates, chunk_scan_fwd,
-                                  chunk_states_fwd, state_passing_bwd, state_passing_fwd, tile_config)
+from mambalab.kernels.ssd import TileConfig, chunk_scan_bwd, state_sweep_bwd, steps_1_to_3, tile_config
 
 
 class Mamba3ScanForward(NamedTuple):
@@ -59,18 +60,17 @@ def mamba3_scan_fwd(B, C, x, adt, sigma, initial, r: int, chunk_size: int) -> Ma
     h, p, n = x.shape[2], x.shape[3], B.shape[3]
     cfg = tile_config(h, p, n, chunk_size * r, x.dtype)
     delta, cs = rank_cumsum_fwd(adt, sigma, r, chunk_size, cfg.block_h, cfg.num_warps)
-    states = chunk_states_fwd(x, B, delta, cs, cfg, _precision(x))
-    entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype)
-    y = chunk_scan_fwd(x, B, C, delta, cs, entering, None, None, cfg, _precision(x))
+    y, entering, final, _ = steps_1_to_3(x, B, C, delta, cs, initial, None, None, cfg, _precision(x),
+                                         sweep=cfg.sweep_forward)
     return Mamba3ScanForward(y, final, delta, cs, entering, cfg)
 
 
 def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, l: int, r: int, has_initial: bool,
                     reduction: str = "deterministic") -> Mamba3ScanGrads:
     """The backward from dy (b, l·R, h, p) contiguous in x's dtype and dfinal (b, h, p, n) fp32 or None."""
-    cfg, p = fwd.tiles, x.shape[3]
-    dH_out = chunk_scan_bwd_dstates(dy, None, C, fwd.cs, cfg, p, _precision(x))
-    dstates, dinit, da = state_passing_bwd(fwd.entering, fwd.cs, dH_out, dfinal, has_initial, cfg, reduction)
+    cfg = fwd.tiles
+    dstates, dinit, da = state_sweep_bwd(dy, None, C, fwd.cs, fwd.entering, dfinal, has_initial, cfg, reduction,
+                                         _precision(x))
     dx, _, dB, dC, _, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
         dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x))
     dadt, dsigma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, l, r, cfg.block_h, cfg.num_warps)

@@ -8,7 +8,9 @@ step is checked against the matching step of :mod:`mambalab.ref.ssd`:
     state_passing  step 2: H_{c+1} = exp(cs_last,c) H_c + S_c                      (ref: state_passing)
     chunk_scan     step 3: Y = (L ∘ C Bᵀ)(Δ X) + exp(cs) C Hᵀ + D x, ⊙ silu(z)   (ref: chunk_diagonal_outputs
                            + chunk_state_outputs)
-    forward        the four launched in order: :func:`ssd_chunk_scan_fwd`
+    state_sweep    steps 1-3 as one sweep over the chunks per head with the state on chip (Mamba-3's scan,
+                   16-bit), and the backward's state steps the same way (every backward)
+    forward        the four launched in order: :func:`ssd_chunk_scan_fwd` (:func:`steps_1_to_3`: split or swept)
     backward       the steps' backwards in reverse order: :func:`ssd_chunk_scan_bwd`, with
                    ``reduction="atomic"`` or ``"deterministic"`` for every sum over programs
     tiles          the tile rule (shape only)
@@ -18,12 +20,14 @@ Layouts: x, z, out (b, l, h, p); dt (b, l, h); B, C (b, l, g, n); per-chunk fp32
 """
 from mambalab.kernels.ssd.backward import REDUCTIONS, SSDGrads, ssd_chunk_scan_bwd
 from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd, chunk_cumsum_fwd
-from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_bwd_dstates, chunk_scan_fwd
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_fwd
 from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
-from mambalab.kernels.ssd.forward import SSDForward, ssd_chunk_scan_fwd
-from mambalab.kernels.ssd.state_passing import state_passing_bwd, state_passing_fwd
+from mambalab.kernels.ssd.forward import SSDForward, ssd_chunk_scan_fwd, steps_1_to_3
+from mambalab.kernels.ssd.state_passing import state_passing_fwd
+from mambalab.kernels.ssd.state_sweep import state_sweep_bwd, state_sweep_fwd
 from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p, tile_config
 
 __all__ = ["REDUCTIONS", "SSDForward", "SSDGrads", "TileConfig", "backward_block_p", "chunk_cumsum_bwd",
-           "chunk_cumsum_fwd", "chunk_scan_bwd", "chunk_scan_bwd_dstates", "chunk_scan_fwd", "chunk_states_fwd",
-           "ssd_chunk_scan_bwd", "ssd_chunk_scan_fwd", "state_passing_bwd", "state_passing_fwd", "tile_config"]
+           "chunk_cumsum_fwd", "chunk_scan_bwd", "chunk_scan_fwd", "chunk_states_fwd",
+           "ssd_chunk_scan_bwd", "ssd_chunk_scan_fwd", "state_passing_fwd", "state_sweep_bwd",
+           "state_sweep_fwd", "steps_1_to_3", "tile_config"]

@@ -1,7 +1,8 @@
 """The SSD backward: the forward's steps, reversed, from the intermediates it saved (:class:`SSDForward`).
 
-    step 3+1  chunk_scan_bwd_dstates   dH^out_c = Σ_t exp(cs_t) dY_t C_tᵀ        what outputs send to H_c
-    step 2    state_passing_bwd        dS_c, d initial_states, da_c (a chunk's total log-decay)
+    steps 3, 2  state_sweep_bwd        dS_c, d initial_states, da_c (a chunk's total log-decay), walking
+                                       the chunks backwards with dL/dH on chip and adding what the
+                                       outputs send to H_c, dH^out_c = Σ_t exp(cs_t) dY_t C_tᵀ, on the way
     step 3+1  chunk_scan_bwd           dx, dz, dB, dC, dD, dΔ, dcs                  (chunk scan + chunk states)
     step 0    chunk_cumsum_bwd         ddt, dA, ddt_bias                            (through cumsum, clamp, softplus)
 
@@ -24,9 +25,9 @@ import torch
 from mambalab import device
 
 from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd
-from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_bwd_dstates
+from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd
 from mambalab.kernels.ssd.forward import SSDForward
-from mambalab.kernels.ssd.state_passing import state_passing_bwd
+from mambalab.kernels.ssd.state_sweep import state_sweep_bwd
 
 REDUCTIONS = ("atomic", "deterministic")
 
@@ -59,10 +60,8 @@ def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=
     if dot_precision is None:
         dot_precision = device.dot_precision(x.dtype, x.device)
     cfg = fwd.tiles
-    p = x.shape[3]
-    dH_out = chunk_scan_bwd_dstates(dout, z, C, fwd.dA_cumsum, cfg, p, dot_precision)
-    dstates, dinit, da = state_passing_bwd(fwd.entering_states, fwd.dA_cumsum, dH_out, dfinal,
-                                           has_initial_states, cfg, reduction)
+    dstates, dinit, da = state_sweep_bwd(dout, z, C, fwd.dA_cumsum, fwd.entering_states, dfinal,
+                                         has_initial_states, cfg, reduction, dot_precision)
     dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
         dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dstates, D, z, cfg, reduction, dot_precision)
     ddt, dA, dbias = chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, fwd.delta, ddelta, dcs_row, dcs_col,

@@ -168,7 +168,7 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 #
 #   the gate      dz_t  = dout_t ⊙ Y_t ⊙ σ(z_t)(1 + z_t(1 - σ(z_t)))       (Y recomputed, pre-gate)
 #   the skip      dx_t += D dY_t,  dD += Σ_t dY_t ⊙ x_t  (summed over p too when D is (h,))
-#   the state in  dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ                     (p, n)   -> state passing's backward
+#   the state in  dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ                     (p, n), added in state_sweep's backward
 #                 dC_t += exp(cs_t) H_cᵀ dY_t,   dcs_t += exp(cs_t) dY_t · (H_c C_t)
 #   the diagonal  dC_t += Σ_{s ≤ t} L_ts Δ_s dYx_ts B_s
 #                 dB_s += Δ_s Σ_{t ≥ s} L_ts dYx_ts C_t
@@ -177,7 +177,7 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 #                 M_ts = L_ts CB_ts Δ_s dYx_ts:  dcs_t += Σ_{s < t} M_ts,  dcs_s -= Σ_{t > s} M_ts
 #                 (the diagonal s = t is left out of both: exp(cs_t - cs_t) does not depend on cs, and adding
 #                 +M_tt and -M_tt would leave only rounding, which step 0 multiplies by A: large for strong decay)
-# and step 1's (chunk states) backward, given dS_c from state passing (w_s = exp(cs_{q-1} - cs_s) Δ_s):
+# and step 1's (chunk states) backward, given dS_c from state_sweep's backward (w_s = exp(cs_{q-1} - cs_s) Δ_s):
 #                 dx_s += w_s dS_c B_s,  dB_s += w_s dS_cᵀ x_s,  with dw_s = x_sᵀ dS_c B_s:
 #                 dΔ_s += exp(cs_{q-1} - cs_s) dw_s,  and dws_s = w_s dw_s, the gradient of the exponent
 #                 cs_{q-1} - cs_s = Σ_{k > s} a_k: step 0 adds Σ_{s < k} dws_s to a_k's gradient directly
@@ -194,42 +194,6 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 # Sums over programs: dB and dC over the heads of a group (g < h), dD over batch rows, chunks and blocks.
 # With REDUCE_ATOMIC they go into zeroed fp32 buffers by tl.atomic_add; otherwise each program writes its
 # own slot (dB, dC per head (b, l, h, n); dD (h, b·c·q/BLOCK_T, p or 1)) and sum_partials folds them.
-
-
-@triton.jit
-def chunk_scan_bwd_dstates_kernel(
-    dout_ptr,         # (b, l, h, p) gradient of out
-    z_ptr,            # (b, l, h, p) gate, or a dummy
-    C_ptr,            # (b, l, g, n)
-    cs_ptr,           # (b, h, c, q) fp32
-    dH_ptr,           # (b, c, h, p, n) fp32 out: dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ
-    h, p, n, l, g, c,
-    HAS_Z: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    pid_b = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    head = tl.program_id(2)
-    group = head // (h // g)
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < p
-    mask_n = offs_n < n
-    dot_ty = C_ptr.dtype.element_ty
-    chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
-    acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for t0 in range(0, Q, BLOCK_T):
-        offs_t, mask_t, row_t = _positions(pid_b, pid_c, t0, l, Q, BLOCK_T)
-        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
-        mask_tp = mask_t[:, None] & mask_p[None, :]
-        dY = _gated_grad(dout_ptr, z_ptr, tp, mask_tp, HAS_Z)
-        Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
-                     mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-        dYe = (dY * tl.exp(tl.load(cs_ptr + chunk + offs_t))[:, None]).to(dot_ty)
-        acc += tl.dot(tl.trans(dYe), Ct.to(dot_ty), input_precision=DOT_PRECISION)
-    out = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
-    tl.store(dH_ptr + out, acc, mask=mask_p[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -346,7 +310,7 @@ def chunk_scan_bwd_columns_kernel(
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
-    dstates_ptr,      # (b, c, h, p, n) dS_c, from state passing's backward (x's dtype)
+    dstates_ptr,      # (b, c, h, p, n) dS_c, from state_sweep's backward (x's dtype)
     D_ptr,            # (h,) or (h, p), or a dummy
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
@@ -414,21 +378,6 @@ def chunk_scan_bwd_columns_kernel(
     tl.store(ddelta_ptr + chunk + offs_s, ddelta)
     tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
     tl.store(dws_ptr + chunk + offs_s, w * dw)
-
-
-def chunk_scan_bwd_dstates(dout, z, C, cs, cfg: TileConfig, p: int, dot_precision: str = "ieee"):
-    """dH_c^out = Σ_t exp(cs_t) dY_t C_tᵀ for every chunk: (b, c, h, p, n) fp32."""
-    b, l, h, _ = dout.shape
-    g, n = C.shape[2], C.shape[3]
-    c, q = cs.shape[2], cs.shape[3]
-    dH = torch.empty(b, c, h, p, n, device=dout.device, dtype=torch.float32)
-    chunk_scan_bwd_dstates_kernel[(b, c, h)](
-        dout, z if z is not None else dout, C, cs, dH,
-        h, p, n, l, g, c,
-        HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
-        DOT_PRECISION=dot_precision, num_warps=cfg.num_warps,
-    )
-    return dH
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,

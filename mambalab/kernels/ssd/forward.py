@@ -4,6 +4,10 @@
     step 1  chunk_states   S                     (b, c, h, p, n)
     step 2  state_passing  H (entering), final   (b, c, h, p, n), (b, h, p, n)
     step 3  chunk_scan     out                   (b, l, h, p)
+
+Steps 1-3 can also run as one sweep with the state on chip (:mod:`mambalab.kernels.ssd.state_sweep`):
+:func:`steps_1_to_3` picks. Mamba-2's forward keeps the split steps (faster at its default q = 256, and they
+hand back S); Mamba-3's scan takes the sweep where the tile rule says so (``TileConfig.sweep_forward``).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_fwd
 from mambalab.kernels.ssd.chunk_scan import chunk_scan_fwd
 from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
 from mambalab.kernels.ssd.state_passing import state_passing_fwd
+from mambalab.kernels.ssd.state_sweep import state_sweep_fwd
 from mambalab.kernels.ssd.tiles import TileConfig, tile_config
 
 
@@ -50,7 +55,18 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     if cfg.chunk_size != chunk_size:
         raise ValueError(f"the tiles are for chunk_size={cfg.chunk_size}, not {chunk_size}")
     delta, cs = chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg)
-    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
-    entering, final = state_passing_fwd(states, cs, initial_states, cfg, store_dtype=x.dtype)
-    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision)
+    out, entering, final, states = steps_1_to_3(x, B, C, delta, cs, initial_states, D, z, cfg, dot_precision,
+                                                sweep=False)
     return SSDForward(out, final, delta, cs, states, entering, cfg)
+
+
+def steps_1_to_3(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str, sweep: bool):
+    """Steps 1-3 from step 0's Δ and cs: as one sweep (``sweep``) or as the three split launches. Returns
+    (out (b, l, h, p) and entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32, the chunk states S
+    (b, c, h, p, n) fp32, or None from the sweep, which never forms them)."""
+    if sweep:
+        return (*state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg, dot_precision), None)
+    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
+    entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype)
+    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision)
+    return out, entering, final, states

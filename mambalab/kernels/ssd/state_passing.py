@@ -13,6 +13,9 @@ Shapes: states (b, c, h, p, n) fp32; cs (b, h, c, q) fp32; initial_states (b, h,
 -> entering states (b, c, h, p, n) in ``store_dtype``, final states (b, h, p, n) fp32.
 One program: (batch row, head, block of BLOCK_PN state elements), walking the chunks in order.
 
+Backward: in :mod:`mambalab.kernels.ssd.state_sweep` (``state_sweep_bwd``), which walks the chunks backwards
+with the gradient of H on chip and adds the chunk outputs' part to it on the way; its math is written there.
+
 Storage. The recurrence runs in fp32 (``running`` below), and the final state stays fp32. The per-chunk
 tensors it hands on, the entering states H_c here and the gradients dS_c in the backward, are stored in the
 dots' dtype, the inputs' (bf16/fp16 on a GPU, fp32 on the CPU interpreter). The chunk scan's kernels convert
@@ -28,7 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mambalab.kernels.reduce import sum_partials
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
@@ -76,78 +78,3 @@ def state_passing_fwd(states, cs, initial_states, cfg: TileConfig, store_dtype=t
         HAS_INIT=initial_states is not None, BLOCK_PN=cfg.block_pn, Q=cfg.chunk_size, num_warps=cfg.num_warps,
     )
     return entering, final
-
-
-# ---------------------------------------------------------------------------------------------- backward
-# Math. With a_c = cs_{c, q-1} and H_{c+1} = exp(a_c) H_c + S_c, walk the chunks backwards carrying
-# G_{c+1} = dL/dH_{c+1} (all paths): G_C = d final_states (or 0), and for c = C-1 … 0
-#     dS_c  = G_{c+1}                                      the chunk state's gradient (to step 1's backward)
-#     da_c  = exp(a_c) <H_c, G_{c+1}>                       summed over the p·n elements: a reduction over
-#                                                           the BLOCK_PN blocks of the state
-#     G_c   = dH_c^out + exp(a_c) G_{c+1}                   dH_c^out: what chunk c's outputs send to H_c
-# and d initial_states = G_0. da_c joins dcs at the chunk's last position (step 0's backward).
-# REDUCE_ATOMIC adds each block's da_c into a zeroed fp32 (b, h, c) with tl.atomic_add; otherwise each block
-# writes its own slot of (b, h, c, n_blocks) partials, folded by sum_partials.
-
-
-@triton.jit
-def state_passing_bwd_kernel(
-    entering_ptr,     # (b, c, h, p·n) H_c, saved by the forward (the dots' dtype)
-    cs_ptr,           # (b, h, c, q) fp32
-    dout_states_ptr,  # (b, c, h, p·n) fp32 dH_c^out, from the chunk scan's outputs
-    dfinal_ptr,       # (b, h, p·n) fp32 gradient of the final states, or a dummy
-    dstates_ptr,      # (b, c, h, p·n) out, entering's dtype: dS_c
-    dinit_ptr,        # (b, h, p·n) fp32 out: d initial_states (or a dummy)
-    da_ptr,           # atomic: (b, h, c) fp32 zeroed; deterministic: (b, h, c, n_blocks) fp32 partials
-    h, pn, c, n_blocks,
-    HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
-    BLOCK_PN: tl.constexpr, Q: tl.constexpr,
-):
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    pid_e = tl.program_id(2)
-    offs = pid_e * BLOCK_PN + tl.arange(0, BLOCK_PN)
-    mask = offs < pn
-    bh = pid_b * h + pid_h
-
-    running = tl.zeros((BLOCK_PN,), dtype=tl.float32)              # G_{c+1}
-    if HAS_DFINAL:
-        running = tl.load(dfinal_ptr + bh.to(tl.int64) * pn + offs, mask=mask, other=0.0).to(tl.float32)
-    for i in range(0, c):
-        ci = c - 1 - i
-        at = ((pid_b * c + ci) * h + pid_h).to(tl.int64) * pn + offs
-        tl.store(dstates_ptr + at, running.to(dstates_ptr.dtype.element_ty), mask=mask)
-        decay = tl.exp(tl.load(cs_ptr + (bh * c + ci).to(tl.int64) * Q + Q - 1))
-        Hc = tl.load(entering_ptr + at, mask=mask, other=0.0).to(tl.float32)
-        da = decay * tl.sum(Hc * running, axis=0)
-        if REDUCE_ATOMIC:
-            tl.atomic_add(da_ptr + (bh * c + ci).to(tl.int64), da)
-        else:
-            tl.store(da_ptr + (bh * c + ci).to(tl.int64) * n_blocks + pid_e, da)
-        running = tl.load(dout_states_ptr + at, mask=mask, other=0.0) + decay * running
-    if HAS_INIT:
-        tl.store(dinit_ptr + bh.to(tl.int64) * pn + offs, running, mask=mask)
-
-
-def state_passing_bwd(entering, cs, dout_states, dfinal, has_init, cfg: TileConfig, reduction: str):
-    """Launch step 2's backward. entering (b, c, h, p, n) in the dots' dtype; dout_states (b, c, h, p, n)
-    fp32; cs (b, h, c, q); dfinal (b, h, p, n) fp32 or None. Returns (dstates (b, c, h, p, n) in entering's
-    dtype, which only the chunk scan's dots read (module docstring), dinit (b, h, p, n) fp32 or None, da
-    (b, h, c) fp32)."""
-    b, c, h, p, n = entering.shape
-    n_blocks = triton.cdiv(p * n, cfg.block_pn)
-    atomic = reduction == "atomic"
-    dstates = torch.empty_like(entering)
-    dinit = torch.empty(b, h, p, n, device=entering.device, dtype=torch.float32) if has_init else None
-    shape = (b, h, c) if atomic else (b, h, c, n_blocks)
-    da = (torch.zeros if atomic else torch.empty)(shape, device=entering.device, dtype=torch.float32)
-    state_passing_bwd_kernel[(b, h, n_blocks)](
-        entering, cs, dout_states, dfinal if dfinal is not None else dstates, dstates,
-        dinit if dinit is not None else dstates, da,
-        h, p * n, c, n_blocks,
-        HAS_DFINAL=dfinal is not None, HAS_INIT=has_init, REDUCE_ATOMIC=atomic,
-        BLOCK_PN=cfg.block_pn, Q=cfg.chunk_size, num_warps=cfg.num_warps,
-    )
-    if not atomic:
-        da = sum_partials(da, dim=3)
-    return dstates, dinit, da

@@ -28,6 +28,9 @@ class TileConfig:
     num_warps: int
     bwd_block_t: int | None = None  # chunk positions per program of the chunk-scan backward; None: block_t
     bwd_num_warps: int | None = None  # warps per chunk-scan backward program; None: num_warps
+    sweep_forward: bool = True        # Mamba-3's scan runs steps 1-3 as the forward sweep (state_sweep)
+    sweep_num_warps: int | None = None   # warps of the forward sweep; None: num_warps
+    sweep_bwd_block_p: int | None = None  # head dimensions per backward-sweep program; None: block_p
 
     @property
     def backward_block_t(self) -> int:
@@ -37,8 +40,16 @@ class TileConfig:
     def backward_num_warps(self) -> int:
         return self.bwd_num_warps or self.num_warps
 
+    @property
+    def sweep_warps(self) -> int:
+        return self.sweep_num_warps or self.num_warps
+
+    @property
+    def sweep_backward_block_p(self) -> int:
+        return self.sweep_bwd_block_p or self.block_p
+
     def __post_init__(self):
-        for name in ("block_t", "block_p", "block_n", "block_k"):
+        for name in ("block_t", "block_p", "block_n", "block_k", "sweep_backward_block_p"):
             if getattr(self, name) < MIN_DOT:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {MIN_DOT} (tl.dot)")
         if self.chunk_size < MIN_DOT or self.chunk_size & (self.chunk_size - 1):
@@ -76,6 +87,20 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which since session 6
     specialises g = 1 to a constant as a launch does) and was still the fastest.
 
+    * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
+      dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
+      the tile rule's BLOCK_P, with 4 warps for bf16/fp16. Mamba-3's scan takes the forward sweep for 16-bit
+      inputs only (``sweep_forward``): in fp32 the split steps were faster.
+
+    Measured on an H200 (session 11, benchmarks/results/2026-12-01_h200_state_sweep_ab_s11.json; b=4, l=4096,
+    h=32, p=64, n=128). Mamba-3 forward+backward as CUDA graphs, bf16: SISO (q = 64) 2.54 ms with the
+    sweeps against 2.75 with the split steps, MIMO r = 4 (q = 64 positions) 10.15 against 10.99; with the
+    forward's 4 warps 2.50 and 9.97, with the backward's 32 head dimensions 2.52 and 10.09. The kernels alone:
+    backward sweep 0.107 ms (32 dims) / 0.121 (64) against 0.142 for the split steps in bf16 at q = 256,
+    0.190 / 0.420 against 0.417 in fp32; forward sweep 0.27 against 0.36 ms in bf16 at q = 64 but 0.62
+    against 0.38 at q = 256, and 0.92-1.20 against 0.64 in fp32 at q = 64 (so Mamba-2's forward, q = 256 by
+    default, keeps the split steps).
+
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
     over programs are reductions (atomic or deterministic). The rule reads the shape and the dtype, never
@@ -97,6 +122,9 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
         num_warps=8 if large_state and narrow else 4,
         bwd_block_t=min(64 if narrow else 32, chunk_size),
         bwd_num_warps=4,
+        sweep_forward=narrow,
+        sweep_num_warps=4 if narrow else None,
+        sweep_bwd_block_p=min(32, block_p),
     )
 
 
