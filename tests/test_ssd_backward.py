@@ -140,6 +140,29 @@ def test_the_16_bit_rule_tiles():
             assert_close(gr, want[k], f"{k} ({reduction})")
 
 
+@pytest.mark.parametrize("g", [4, 2])
+def test_chunk_backward_writes_dB_dC_in_the_asked_dtype_only_when_nothing_is_folded(g):
+    """chunk_scan_bwd's ``bc_dtype`` (Mamba-3's scan asks for its inputs' dtype): with g = h and the
+    deterministic mode each program's fp32 dB, dC tile is written once, so the narrow result is the fp32 one
+    rounded once (fp16 here: the interpreter stores it exactly) and every other gradient keeps its bits; with
+    g < h the per-head partials are folded in fp32 and the result stays fp32."""
+    b, l, h, p, n, q = 1, 40, 4, 8, 8, 16
+    inp = make_inputs(b, l, h, p, g, n, D="h")
+    kw = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
+    fwd = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, **{k: inp[k] for k in NAMES[5:]}, **kw)
+    dout, _ = cotangents(b, l, h, p, n)
+    dS = torch.randn(fwd.entering_states.shape, generator=torch.Generator().manual_seed(2)).to(dout.device)
+    args = (dout, inp["x"], inp["B"], inp["C"], fwd.delta, fwd.dA_cumsum, fwd.entering_states, dS, inp["D"], inp["z"],
+            fwd.tiles, "deterministic")
+    wide = kernels.chunk_scan_bwd(*args)
+    narrow = kernels.chunk_scan_bwd(*args, bc_dtype=torch.float16)
+    for i, (u, w) in enumerate(zip(narrow, wide)):
+        if i in (2, 3) and g == h:                                   # dB, dC
+            assert u.dtype == torch.float16 and torch.equal(u, w.half())
+        else:
+            assert u.dtype == w.dtype and torch.equal(u, w), i
+
+
 def test_softplus_linear_region():
     """dt + dt_bias above 20, where softplus is the identity (gradient 1), next to ordinary steps."""
     b, l, h, p, g, n, q = 1, 24, 2, 4, 1, 4, 16

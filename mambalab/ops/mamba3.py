@@ -94,8 +94,11 @@ class Mamba3ScanFn(torch.autograd.Function):
     :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
     (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch, the
     scores' gradient included).
-    One Function, so that the scan's fp32 dB, dC go straight into the rotary backward (with q̂, k̂ the outputs
-    of a Function of their own, autograd would cast those gradients to q̂'s dtype in between, a pass over each).
+    One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
+    kernels' dtype (bf16 on a GPU), each program's fp32 tile rounded once, in the default deterministic mode;
+    fp32 in the atomic mode. (Session 11, H200: bf16 took MIMO r = 4 from 9.85 to 9.01 ms and SISO from 2.47
+    to 2.30, raising the largest errors against fp64 of d dt from 2.1 to 2.7 % and of d angles from 7.2 to
+    8.9 % for SISO; benchmarks/results/README.md.)
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
@@ -125,7 +128,7 @@ class Mamba3ScanFn(torch.autograd.Function):
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
         dscores = None if dscores is None else dscores.float().contiguous()
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
-                                                                   theta, dscores)   # fp32 dC, dB as they are
+                                                                   theta, dscores)   # dC, dB as they are
         return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
                 None, None, None)
 

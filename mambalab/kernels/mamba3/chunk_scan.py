@@ -10,12 +10,15 @@ steps are those of :mod:`mambalab.kernels.ssd` with step 0 replaced:
     step 0    rank_cumsum     Δ, cs              (b, h, c, Q), Q = chunk_size · R positions per chunk
     steps 1-3 state_sweep     Y (b, l·R, h, p), H̃ (entering, for the backward), final: one program per
                               (batch row, head, block of p) walks the chunks with the state on chip, for
-                              16-bit inputs; fp32 inputs take the SSD's split steps 1-3 (the tile rule's
-                              ``sweep_forward``). No D, no gate (the op adds them per rank)
+                              16-bit inputs and chunks of up to 64 positions; otherwise the SSD's split
+                              steps 1-3 (the tile rule's ``sweep_forward``). No D, no gate (the op adds
+                              them per rank)
 
 The backward runs the same sweep backwards (dS_c and da_c, with dH^out_c never in memory), the SSD's chunk
 backward (every sum over programs through ``reduction``: "deterministic" folds per-program partials with
-:func:`mambalab.kernels.reduce.sum_partials`) and then step 0's.
+:func:`mambalab.kernels.reduce.sum_partials`) and then step 0's. B and C being per head here, no program
+sums dB or dC with another, so in the deterministic mode they are written in x's dtype (the rotary backward
+reads them next).
 Tiles: :func:`mambalab.kernels.ssd.tiles.tile_config` for (h, p, n, Q).
 
 Shapes: B, C (b, l·R, h, n) and x (b, l·R, h, p), contiguous, in the compute dtype; adt, sigma (b, l, h) fp32;
@@ -44,8 +47,8 @@ class Mamba3ScanForward(NamedTuple):
 
 class Mamba3ScanGrads(NamedTuple):
     dx: torch.Tensor         # (b, l·R, h, p) x's dtype
-    dB: torch.Tensor         # (b, l·R, h, n) fp32
-    dC: torch.Tensor         # (b, l·R, h, n) fp32
+    dB: torch.Tensor         # (b, l·R, h, n) x's dtype (deterministic) or fp32 (atomic)
+    dC: torch.Tensor         # (b, l·R, h, n) likewise
     dadt: torch.Tensor       # (b, l, h) fp32
     dsigma: torch.Tensor     # (b, l, h) fp32
     dinitial: torch.Tensor | None
@@ -72,6 +75,7 @@ def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, l: int, r: int,
     dstates, dinit, da = state_sweep_bwd(dy, None, C, fwd.cs, fwd.entering, dfinal, has_initial, cfg, reduction,
                                          _precision(x))
     dx, _, dB, dC, _, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
-        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x))
+        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x),
+        bc_dtype=x.dtype if reduction == "deterministic" else torch.float32)
     dadt, dsigma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, l, r, cfg.block_h, cfg.num_warps)
     return Mamba3ScanGrads(dx, dB, dC, dadt, dsigma, dinit)

@@ -325,7 +325,7 @@ def rotary_qk_bwd_kernel(
 
 
 def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
-    """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's fp32
+    """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's
     gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs; dscores: the within-step
     scores' gradient (b, l, h, r, r') fp32 contiguous, or None
     -> (dq, dk (b, l, r, g, n) fp32, dq_bias, dk_bias (h, r, n) fp32, dtheta (b, l, h, a) fp32)."""

@@ -224,7 +224,8 @@ def chunk_scan_bwd_rows_kernel(
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
     dz_ptr,           # (b, l, h, p) out (or a dummy)
-    dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head (fp32, or
+                      # the caller's dtype when g = h: nothing is folded)
     dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
     dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c·q/BLOCK_T, p or 1); or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
@@ -279,7 +280,8 @@ def chunk_scan_bwd_rows_kernel(
     if REDUCE_ATOMIC:
         tl.atomic_add(dC_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], dC, mask=mask_tn)
     else:
-        tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC, mask=mask_tn)
+        tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC.to(dC_ptr.dtype.element_ty),
+                 mask=mask_tn)
     if HAS_D or HAS_Z:
         x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
     if HAS_D:
@@ -315,7 +317,7 @@ def chunk_scan_bwd_columns_kernel(
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
     dx_ptr,           # (b, l, h, p) out, x's dtype
-    dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) fp32 per head
+    dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head, as dC
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
@@ -374,18 +376,20 @@ def chunk_scan_bwd_columns_kernel(
     if REDUCE_ATOMIC:
         tl.atomic_add(dB_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], dB, mask=mask_sn)
     else:
-        tl.store(dB_ptr + (row_s[:, None] * h + head) * n + offs_n[None, :], dB, mask=mask_sn)
+        tl.store(dB_ptr + (row_s[:, None] * h + head) * n + offs_n[None, :], dB.to(dB_ptr.dtype.element_ty),
+                 mask=mask_sn)
     tl.store(ddelta_ptr + chunk + offs_s, ddelta)
     tl.store(dcs_col_ptr + chunk + offs_s, dcs_col)
     tl.store(dws_ptr + chunk + offs_s, w * dw)
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee"):
+                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
-    dz or None, dB, dC (b, l, g, n) fp32, dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
-    (b, h, c, q) fp32)."""
+    dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
+    (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
+    (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -396,8 +400,9 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
     bc_shape = (b, l, g, n) if atomic else (b, l, h, n)
-    dB = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
-    dC = (torch.zeros if atomic else torch.empty)(bc_shape, **f32)
+    bc = dict(f32, dtype=bc_dtype) if g == h and not atomic else f32
+    dB = (torch.zeros if atomic else torch.empty)(bc_shape, **bc)
+    dC = (torch.zeros if atomic else torch.empty)(bc_shape, **bc)
     ddelta = torch.empty(b, h, c, q, **f32)
     dcs_row = torch.empty_like(ddelta)
     dcs_col = torch.empty_like(ddelta)

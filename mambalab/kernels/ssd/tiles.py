@@ -90,7 +90,8 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
       the tile rule's BLOCK_P, with 4 warps for bf16/fp16. Mamba-3's scan takes the forward sweep for 16-bit
-      inputs only (``sweep_forward``): in fp32 the split steps were faster.
+      inputs and chunks of at most 64 positions, one BLOCK_T block (``sweep_forward``): in fp32, and for
+      longer chunks, whose blocks the sweep walks one after another, the split steps were faster.
 
     Measured on an H200 (session 11, benchmarks/results/2026-12-01_h200_state_sweep_ab_s11.json; b=4, l=4096,
     h=32, p=64, n=128). Mamba-3 forward+backward as CUDA graphs, bf16: SISO (q = 64) 2.54 ms with the
@@ -99,7 +100,8 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     backward sweep 0.107 ms (32 dims) / 0.121 (64) against 0.142 for the split steps in bf16 at q = 256,
     0.190 / 0.420 against 0.417 in fp32; forward sweep 0.27 against 0.36 ms in bf16 at q = 64 but 0.62
     against 0.38 at q = 256, and 0.92-1.20 against 0.64 in fp32 at q = 64 (so Mamba-2's forward, q = 256 by
-    default, keeps the split steps).
+    default, keeps the split steps). With the sweep at every q (call 2), MIMO r = 4 at chunk 32 (q = 128)
+    took 11.83 ms and at chunk 64 (q = 256) 13.49, against 11.09 and 12.39 with the split steps in session 10.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
@@ -122,7 +124,7 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
         num_warps=8 if large_state and narrow else 4,
         bwd_block_t=min(64 if narrow else 32, chunk_size),
         bwd_num_warps=4,
-        sweep_forward=narrow,
+        sweep_forward=narrow and chunk_size <= 64,
         sweep_num_warps=4 if narrow else None,
         sweep_bwd_block_p=min(32, block_p),
     )
