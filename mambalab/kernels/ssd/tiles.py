@@ -101,7 +101,11 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     0.190 / 0.420 against 0.417 in fp32; forward sweep 0.27 against 0.36 ms in bf16 at q = 64 but 0.62
     against 0.38 at q = 256, and 0.92-1.20 against 0.64 in fp32 at q = 64 (so Mamba-2's forward, q = 256 by
     default, keeps the split steps). With the sweep at every q (call 2), MIMO r = 4 at chunk 32 (q = 128)
-    took 11.83 ms and at chunk 64 (q = 256) 13.49, against 11.09 and 12.39 with the split steps in session 10.
+    took 11.83 ms and at chunk 64 (q = 256) 13.49, against 11.09 and 12.39 with the split steps in session 10;
+    call 3 measured the same in one process (10.77 and 11.79 with the split steps, 11.54 and 12.86 swept).
+    sm_90 (benchmarks/ptxas_ssd.py): the bf16 forward sweep at 4 warps uses 255 registers a thread and spills
+    60 B (at 8 warps 255, no spill) and was still the faster; the backward sweep at 32 head dimensions 128
+    registers (bf16, 8 warps) or 200 (fp32, 4 warps), no spill.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
