@@ -26,6 +26,17 @@ from mambalab.kernels.ssd.tiles import TileConfig
 
 
 @triton.jit
+def _head_block(pid_hp, h, p, g, BLOCK_P: tl.constexpr):
+    """Which head, block of head dimensions and group a program index over (head, block of BLOCK_P) means:
+    (head, block, group, offsets over p, their mask)."""
+    n_pblocks = tl.cdiv(p, BLOCK_P)
+    head = pid_hp // n_pblocks
+    block = pid_hp % n_pblocks
+    offs_p = block * BLOCK_P + tl.arange(0, BLOCK_P)
+    return head, block, head // (h // g), offs_p, offs_p < p
+
+
+@triton.jit
 def chunk_states_fwd_kernel(
     x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
@@ -40,14 +51,9 @@ def chunk_states_fwd_kernel(
 ):
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
-    pid_hp = tl.program_id(2)
-    n_pblocks = tl.cdiv(p, BLOCK_P)
-    head = pid_hp // n_pblocks
-    group = head // (h // g)
-    offs_p = (pid_hp % n_pblocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    head, _, group, offs_p, mask_p = _head_block(tl.program_id(2), h, p, g, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
-    mask_p = offs_p < p
     mask_n = offs_n < n
     dot_ty = x_ptr.dtype.element_ty   # dots run in the inputs' dtype (fp32 on the CPU), accumulate in fp32
 

@@ -47,6 +47,7 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 from mambalab.kernels.ssd.chunk_scan import _gated_grad, _skip_weight
+from mambalab.kernels.ssd.chunk_states import _head_block
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
@@ -71,14 +72,9 @@ def state_sweep_fwd_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
-    pid_hp = tl.program_id(1)
-    n_pblocks = tl.cdiv(p, BLOCK_P)
-    head = pid_hp // n_pblocks
-    group = head // (h // g)
-    offs_p = (pid_hp % n_pblocks) * BLOCK_P + tl.arange(0, BLOCK_P)
+    head, _, group, offs_p, mask_p = _head_block(tl.program_id(1), h, p, g, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
     offs_b = tl.arange(0, BLOCK_T)
-    mask_p = offs_p < p
     mask_pn = mask_p[:, None] & (offs_n < n)[None, :]
     dot_ty = x_ptr.dtype.element_ty   # dots run in the inputs' dtype (fp32 on the CPU), accumulate in fp32
 
@@ -181,14 +177,9 @@ def state_sweep_bwd_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
-    pid_hp = tl.program_id(1)
+    head, pblock, group, offs_p, mask_p = _head_block(tl.program_id(1), h, p, g, BLOCK_P)
     n_pblocks = tl.cdiv(p, BLOCK_P)
-    head = pid_hp // n_pblocks
-    pblock = pid_hp % n_pblocks
-    group = head // (h // g)
-    offs_p = pblock * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_n = tl.arange(0, BLOCK_N)
-    mask_p = offs_p < p
     mask_n = offs_n < n
     mask_pn = mask_p[:, None] & mask_n[None, :]
     dot_ty = C_ptr.dtype.element_ty
