@@ -86,7 +86,7 @@ def state_sweep_fwd_kernel(
     for ci in range(0, c):
         Hd = H.to(dot_ty)                                                            # H_c as the dots see it
         at = (((pid_b * c + ci) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
-        tl.store(entering_ptr + at, Hd.to(entering_ptr.dtype.element_ty), mask=mask_pn)
+        tl.store(entering_ptr + at, Hd, mask=mask_pn)                               # entering: x's dtype
         chunk = (bh * c + ci).to(tl.int64) * Q
         cs_last = tl.load(cs_ptr + chunk + Q - 1)                                    # the chunk's log-decay
         S = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)                           # the chunk's own state
