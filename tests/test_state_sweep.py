@@ -3,12 +3,14 @@ sweep. Both against mambalab.ref.ssd: the forward's outputs, entering and final 
 d initial and da_c against autograd through the reference's state passing and the entering states' part of
 the outputs. (Whole gradients through the sweep: test_ssd_backward.py, test_mamba3_kernels.py.) Tiny sizes:
 on the CPU they run in the interpreter, in fp32."""
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from mambalab import device
 from mambalab.kernels import ssd as kernels
 from mambalab.ref.ssd import chunk_diagonal_outputs, chunk_state_outputs, chunk_states, state_passing
 
@@ -28,8 +30,7 @@ IDS = ["g1-padded", "g2-D-gate-init", "blocks", "q64-four-blocks"]
 def _setup(b, l, h, p, g, n, q, D, z, init, block_t, block_p):
     inp = cpu(make_ssd_inputs(b, l, h, p, g, n, D=D, z=z, init=init, param_dtype=torch.float32))
     delta, cs, chunks = reference_chunks(inp, q, True)
-    base = kernels.tile_config(h, p, n, q)
-    cfg = kernels.TileConfig(**{**base.__dict__, "block_t": block_t})
+    cfg = dataclasses.replace(kernels.tile_config(h, p, n, q), block_t=block_t)
     return inp, delta, cs, chunks, cfg
 
 
@@ -132,10 +133,12 @@ def test_gpu_sweep_matches_the_split_kernels(dtype, atol):
     b, l, h, p, g, n, q = 2, 1000, 8, 64, 1, 128, 64
     inp = make_ssd_inputs(b, l, h, p, g, n, D=None, z=False, init=True, dtype=dtype, param_dtype=torch.float32,
                           device="cuda")
-    delta, cs, _ = reference_chunks({k: (v.float() if v is not None else None) for k, v in inp.items()}, q, True)
+    ref_in = {k: (v.float().cpu() if v is not None else None) for k, v in inp.items()}
+    delta, cs, (xc, dtc, a, Bc, Cc) = reference_chunks(ref_in, q, True)
+    delta, cs = delta.cuda(), cs.cuda()
     cfg = kernels.tile_config(h, p, n, q, dtype)
-    prec = "tf32" if dtype == torch.float32 else "ieee"
     x, B, C, init = inp["x"], inp["B"], inp["C"], inp["initial_states"]
+    prec = device.dot_precision(x.dtype, x.device)                      # what the ops pass: tf32 for fp32
     out, entering, final = kernels.state_sweep_fwd(x, B, C, delta, cs, init, None, None, cfg, prec)
     states = kernels.chunk_states_fwd(x, B, delta, cs, cfg, prec)
     want_entering, want_final = kernels.state_passing_fwd(states, cs, init, cfg, store_dtype=dtype)
@@ -145,8 +148,6 @@ def test_gpu_sweep_matches_the_split_kernels(dtype, atol):
     dout = torch.randn_like(x)
     dfinal = torch.randn_like(final)
     got = kernels.state_sweep_bwd(dout, None, C, cs, entering, dfinal, True, cfg, "deterministic", prec)
-    ref_in = {k: (v.float().cpu() if v is not None else None) for k, v in inp.items()}
-    _, _, (xc, dtc, a, Bc, Cc) = reference_chunks(ref_in, q, True)
     want = reference_state_grads(ref_in, a, Bc, Cc, xc, dtc, l, dout.float().cpu(), dfinal.cpu())
     for name, g_, w in zip(("dS", "d initial", "da"), got, want):
         assert_close(g_.float(), w, name, atol=atol, rtol=atol)

@@ -76,6 +76,6 @@ def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, l: int, r: int,
                                          _precision(x))
     dx, _, dB, dC, _, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
         dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, None, None, cfg, reduction, _precision(x),
-        bc_dtype=x.dtype if reduction == "deterministic" else torch.float32)
+        bc_dtype=x.dtype)   # chunk_scan_bwd keeps fp32 wherever it sums over programs (atomic mode)
     dadt, dsigma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, l, r, cfg.block_h, cfg.num_warps)
     return Mamba3ScanGrads(dx, dB, dC, dadt, dsigma, dinit)
