@@ -98,18 +98,31 @@ def autotuners(module_prefix: str) -> list:
     return list(found.values())
 
 
+def block_cost(config) -> int:
+    """How much a Triton configuration asks of an SM, roughly: the product of its BLOCK_SIZE_* values times its
+    pipelining stages (shared memory grows with both)."""
+    cost = 1
+    for key, value in config.kwargs.items():
+        if key.startswith("BLOCK_SIZE_"):
+            cost *= value
+    return cost * (config.num_stages or 1)
+
+
 @contextmanager
-def first_configs_only(module_prefix: str = "mamba_ssm.ops.triton"):
-    """Within the block, every autotuner of :func:`autotuners` (``module_prefix``) tries only its first
-    configuration; they get all of them back afterwards. For numerical comparisons with mamba-ssm on a GPU:
-    its Mamba-3 kernels autotune over some 190 configurations, minutes of compiling and timing on a fresh
-    machine before the first result, and a comparison's tolerance holds whichever configuration runs. Import
-    the mamba-ssm modules first (:func:`module`): only autotuners already defined are narrowed."""
+def first_configs_only(module_prefix: str = "mamba_ssm.ops.triton", smallest: bool = False):
+    """Within the block, every autotuner of :func:`autotuners` (``module_prefix``) tries only one configuration:
+    its first, or with ``smallest`` its cheapest by :func:`block_cost`; they get all of them back afterwards.
+    For numerical comparisons with mamba-ssm on a GPU: its Mamba-3 kernels autotune over some 190
+    configurations, minutes of compiling and timing on a fresh machine before the first result, and a
+    comparison's tolerance holds whichever configuration runs. Its SSD kernels need ``smallest``: the first
+    configuration of its chunk-scan forward asks for 273 KiB of shared memory, more than an H200 has (the
+    autotuner skips such a configuration only when it has others to try). Import the mamba-ssm modules first
+    (:func:`module`): only autotuners already defined are narrowed."""
     tuners = autotuners(module_prefix)
     saved = [(t, t.configs) for t in tuners]
     try:
         for t in tuners:
-            t.configs = t.configs[:1]
+            t.configs = [min(t.configs, key=block_cost)] if smallest else t.configs[:1]
         yield tuners
     finally:
         for t, configs in saved:

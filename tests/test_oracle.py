@@ -1,4 +1,5 @@
-"""mambalab.oracle: narrowing mamba-ssm's autotuners for numerical comparisons (first_configs_only)."""
+"""mambalab.oracle: narrowing mamba-ssm's autotuners for numerical comparisons (first_configs_only: the first
+configuration, or the smallest)."""
 import sys
 import types
 
@@ -9,10 +10,11 @@ import triton.language as tl
 from mambalab import oracle
 
 
-@triton.autotune(configs=[triton.Config({"BLOCK": b}, num_warps=w) for b in (16, 32) for w in (2, 4)], key=["n"])
+@triton.autotune(configs=[triton.Config({"BLOCK_SIZE_M": b, "BLOCK_SIZE_N": 16}, num_warps=w, num_stages=s)
+                          for b, s in ((32, 2), (16, 3), (16, 1)) for w in (2, 4)], key=["n"])
 @triton.jit
-def _double_kernel(x_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+def _double_kernel(x_ptr, n, BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
     tl.store(x_ptr + offs, 2 * tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
@@ -37,3 +39,13 @@ def test_first_configs_only_narrows_then_restores(fake_rival):
         with oracle.first_configs_only("fake_rival"):
             raise RuntimeError("inside")
     assert _double_kernel.configs == configs                            # restored after an error too
+
+
+def test_smallest_config_is_the_cheapest_by_blocks_and_stages(fake_rival):
+    """``smallest=True`` keeps the configuration with the least BLOCK_SIZE_* product times stages: (16, 16) at
+    one stage here, the fifth of six; the first, (32, 16) at two stages, is four times its cost."""
+    configs = list(_double_kernel.configs)
+    assert [oracle.block_cost(c) for c in configs] == [1024, 1024, 768, 768, 256, 256]
+    with oracle.first_configs_only("fake_rival", smallest=True):
+        assert _double_kernel.configs == [configs[4]]
+    assert _double_kernel.configs == configs
