@@ -51,7 +51,10 @@ spills (below) and at 8 it does not (one 8-warp program fills an SM's registers,
 too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651
 against 0.599). Splitting a group's heads over several backward programs (more programs, per-chunk dq/dk
 partials) did not help (0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the
-program count, limits it.
+program count, limits it. At r = 1 the backward's tiles hold a row's turned pairs alone (BLOCK_N2 =
+next_pow2(a), with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and there is no dθ,
+in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539 (session 12); at r = 4 the
+same split was slower (3.47 against 1.87 ms), so r > 1 keeps one tile.
 Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
 benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
 changed):
@@ -59,8 +62,9 @@ changed):
                   r = 1, BLOCK_T = 32       r = 4, BLOCK_T = 8
     forward       4 warps 116, 0 B          4 warps  96, 0 B
                   8 warps  62, 0 B          8 warps  59, 0 B
-    backward      4 warps 255, 84 B         4 warps 255, 264 B
+    backward      4 warps 255, 84 B         4 warps 255, 264 B (196 B in session 12's build)
                   8 warps 184, 0 B          8 warps 194, 0 B
+      split at a  4 warps 255, 0 B          4 warps 255, 0 B; 8 warps 167, 0 B
 
 The two-launch version compiled the same way: forward 116 (r = 1) and 124 (r = 4) registers at 4 warps;
 backward 214 (k̂'s) and 228 (q̂'s, adding into dθ) registers at 4 warps at r = 1, 128 registers and 168 B
@@ -99,6 +103,19 @@ def fwd_num_warps(r):
     r = 4 step's graph 10.74 ms at 4 against 10.79 at 8 (session 9, call 2). r = 2 keeps 8, r = 8 takes 4:
     neither was timed."""
     return 8 if r <= 2 else 4
+
+
+def turned_and_plain(n, a, r):
+    """The backward's split of a row at r = 1: BLOCK_N2 = next_pow2(a) pairs (at least 1) in the turned tile,
+    the rest (PLAIN = next_pow2 of the elements left) in a tile of their own; at r > 1, and where the turned
+    tile covers the row, one tile (PLAIN = 0). H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
+    CUDA graphs): at r = 1 the split kernel took 0.402 ms against 0.539 for one tile (SISO's whole step 2.18
+    against 2.32 ms; at sm_90 it spills nothing, one tile 84 B); at r = 4 3.47 ms against 1.87 (2 loop stages
+    3.10, 8 warps 6.66), although one tile spills 196 B there and the split none: not understood yet."""
+    pairs = triton.next_power_of_2(max(a, 1))
+    if r > 1 or 2 * pairs >= n:
+        return dict(BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), PLAIN=0)
+    return dict(BLOCK_N2=pairs, PLAIN=triton.next_power_of_2(n - 2 * pairs))
 
 
 def tiles(r):
@@ -217,15 +234,16 @@ def _turn_back(dout_ptr, dst, xt, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T
 
 @triton.jit
 def _group_block(dbias_ptr, T, h, g, n, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-                 BLOCK_N2: tl.constexpr):
-    """What a backward program (position block, group) addresses: its ranks, its positions and their mask, the
-    masks of its (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tiles, the group's rows of q, k (src), and its dbias partials'
-    (BLOCK_R, 2·BLOCK_N2) tile for head 0 (head hd's at + hd·r·n)."""
+                 C0: tl.constexpr, WIDTH: tl.constexpr):
+    """What a backward program (position block, group) addresses in elements C0 … C0 + WIDTH - 1 of each row:
+    its ranks, its positions and their mask, the element offsets, the masks of its (BLOCK_R, BLOCK_T, WIDTH)
+    tiles, the group's rows of q, k (src), and its dbias partials' (BLOCK_R, WIDTH) tile for head 0 (head hd's
+    at + hd·r·n)."""
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
     offs_r = tl.arange(0, BLOCK_R)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_c = tl.arange(0, 2 * BLOCK_N2)
+    offs_c = C0 + tl.arange(0, WIDTH)
     mask_t = offs_t < T
     mask_rc = (offs_r < R)[:, None] & (offs_c < n)[None, :]
     mask = mask_rc[:, None, :] & mask_t[None, :, None]
@@ -251,7 +269,7 @@ def rotary_scores_bwd_kernel(
     kernel of its own: fused into rotary_qk_bwd_kernel's loop, or as a loop before it, it made the compiler
     spill 4-10x as much there (sm_90, benchmarks/ptxas_ssd.py --op mamba3)."""
     grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
-        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, 0, 2 * BLOCK_N2)
     e = h // g                                                     # heads per group
     xq = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
     xk = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
@@ -285,12 +303,14 @@ def rotary_qk_bwd_kernel(
     dbias_ptr,              # (programs along T, h, r, n) fp32 out: q's partials; k's k_part_stride further
     dtheta_ptr,             # (T, h, a) fp32 out
     T, h, g, n, a, k_part_stride,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
+    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_N2: tl.constexpr,   # pairs of the turned part: elements 0 … 2·BLOCK_N2 - 1, BLOCK_N2 >= a
+    PLAIN: tl.constexpr,      # elements of the part no pair of which turns, from 2·BLOCK_N2 on (0: none)
     HAS_DS: tl.constexpr,   # dq, dk hold the scores' terms on entry (added to, not overwritten)
     LOOP_STAGES: tl.constexpr,
 ):
     grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
-        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, BLOCK_N2)
+        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, 0, 2 * BLOCK_N2)
     e = h // g                                                     # heads per group
     offs_i = tl.arange(0, BLOCK_N2)                                # pairs
     mask_a = mask_t[:, None] & (offs_i < a)[None, :]
@@ -302,6 +322,16 @@ def rotary_qk_bwd_kernel(
     else:
         dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
         dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    if PLAIN > 0:   # the rest of each row: dx̃ = dout there, no θ, no x (its own tiles, so that the turn's
+        # tiles, and their registers, cover the turned pairs alone)
+        _, _, offs_cp, _, mask_rcp, maskp, _, _, srcp, partp = _group_block(
+            dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, 2 * BLOCK_N2, PLAIN)
+        if HAS_DS:
+            dpq = tl.load(dq_ptr + srcp, mask=maskp, other=0.0)
+            dpk = tl.load(dk_ptr + srcp, mask=maskp, other=0.0)
+        else:
+            dpq = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
+            dpk = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
     for j in tl.range(0, e, num_stages=LOOP_STAGES):               # the group's heads, in order
         hd = grp * e + j
@@ -320,8 +350,19 @@ def rotary_qk_bwd_kernel(
         tl.store(part + k_part + hd * R * n, tl.sum(hk, axis=1), mask=mask_rc)
         dxk += hk
         tl.store(dtheta_ptr + th_off, dth + dth_k, mask=mask_a)   # written once: no read-modify-write
+        if PLAIN > 0:
+            dstp = (rows * h + hd) * n + offs_cp[None, None, :]
+            pq = tl.load(dq_out_ptr + dstp, mask=maskp, other=0.0).to(tl.float32)
+            tl.store(partp + hd * R * n, tl.sum(pq, axis=1), mask=mask_rcp)
+            dpq += pq
+            pk = tl.load(dk_out_ptr + dstp, mask=maskp, other=0.0).to(tl.float32)
+            tl.store(partp + k_part + hd * R * n, tl.sum(pk, axis=1), mask=mask_rcp)
+            dpk += pk
     tl.store(dq_ptr + src, dxq, mask=mask)
     tl.store(dk_ptr + src, dxk, mask=mask)
+    if PLAIN > 0:
+        tl.store(dq_ptr + srcp, dpq, mask=maskp)
+        tl.store(dk_ptr + srcp, dpk, mask=maskp)
 
 
 def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
@@ -340,12 +381,14 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
     partials = torch.empty(2, 2 if dscores is not None else 1, blocks, h, r, n, **f32)
     k_stride = partials.stride(0)
     dtheta = torch.empty(b, l, h, a, **f32)
-    tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)))
+    tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t)
     if dscores is not None:
         rotary_scores_bwd_kernel[(blocks, g)](q, k, q_bias, k_bias, dscores, dq, dk, partials[0, 1], T, h, g, n,
-                                              k_stride, **tile, num_warps=NUM_WARPS)
+                                              k_stride, **tile, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+                                              num_warps=NUM_WARPS)
     rotary_qk_bwd_kernel[(blocks, g)](
         q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
-        HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r), num_warps=BWD_NUM_WARPS)
+        **turned_and_plain(n, a, r), HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r),
+        num_warps=BWD_NUM_WARPS)
     dbias = sum_partials(partials.flatten(1, 2), dim=1)           # (2, h, r, n): q's, k's
     return dq, dk, dbias[0], dbias[1], dtheta
