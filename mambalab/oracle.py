@@ -109,7 +109,7 @@ def block_cost(config) -> int:
 
 
 @contextmanager
-def first_configs_only(module_prefix: str = "mamba_ssm.ops.triton", smallest: bool = False):
+def single_config(module_prefix: str = "mamba_ssm.ops.triton", smallest: bool = False):
     """Within the block, every autotuner of :func:`autotuners` (``module_prefix``) tries only one configuration:
     its first, or with ``smallest`` its cheapest by :func:`block_cost`; they get all of them back afterwards.
     For numerical comparisons with mamba-ssm on a GPU: its Mamba-3 kernels autotune over some 190

@@ -1,4 +1,4 @@
-"""mambalab.oracle: narrowing mamba-ssm's autotuners for numerical comparisons (first_configs_only: the first
+"""mambalab.oracle: narrowing mamba-ssm's autotuners for numerical comparisons (single_config: the first
 configuration, or the smallest)."""
 import sys
 import types
@@ -27,16 +27,16 @@ def fake_rival(monkeypatch):
     return mod
 
 
-def test_first_configs_only_narrows_then_restores(fake_rival):
+def test_single_config_narrows_then_restores(fake_rival):
     configs = list(_double_kernel.configs)
     assert oracle.autotuners("fake_rival") == [_double_kernel]          # once, though two names hold it
     assert oracle.autotuners("other_prefix") == []
-    with oracle.first_configs_only("fake_rival") as tuners:
+    with oracle.single_config("fake_rival") as tuners:
         assert tuners == [_double_kernel]
         assert _double_kernel.configs == configs[:1]
     assert _double_kernel.configs == configs
     with pytest.raises(RuntimeError, match="inside"):
-        with oracle.first_configs_only("fake_rival"):
+        with oracle.single_config("fake_rival"):
             raise RuntimeError("inside")
     assert _double_kernel.configs == configs                            # restored after an error too
 
@@ -46,6 +46,6 @@ def test_smallest_config_is_the_cheapest_by_blocks_and_stages(fake_rival):
     one stage here, the fifth of six; the first, (32, 16) at two stages, is four times its cost."""
     configs = list(_double_kernel.configs)
     assert [oracle.block_cost(c) for c in configs] == [1024, 1024, 768, 768, 256, 256]
-    with oracle.first_configs_only("fake_rival", smallest=True):
+    with oracle.single_config("fake_rival", smallest=True):
         assert _double_kernel.configs == [configs[4]]
     assert _double_kernel.configs == configs

@@ -287,7 +287,7 @@ def test_gpu_deterministic_is_bitwise_reproducible_and_batch_invariant():
 @requires_gpu
 def test_gpu_gradients_match_mamba_ssm():
     """mamba-ssm's own mamba_chunk_scan_combined backward on the same inputs, bf16. Its autotuners try their
-    smallest configuration only (oracle.first_configs_only(smallest=True)): all of them took this test past
+    smallest configuration only (oracle.single_config(smallest=True)): all of them took this test past
     150 s of compiling on a fresh H200 (session 11), their first ones do not fit an H200's shared memory
     (session 12), and the tolerance holds for any configuration."""
     combined = oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined
@@ -295,7 +295,7 @@ def test_gpu_gradients_match_mamba_ssm():
     dout, dfinal = cotangents(2, 1000, 8, 64, 128)
     kw = dict(chunk_size=256, dt_softplus=True)
     got = grads_of(ssd_chunk_scan, inp, dout, dfinal, reduction="atomic", **kw)
-    with oracle.first_configs_only("mamba_ssm.ops.triton", smallest=True):
+    with oracle.single_config("mamba_ssm.ops.triton", smallest=True):
         want = grads_of(combined, inp, dout, dfinal, **kw)
     for k in want:
         assert_close(got[k], want[k].float().cpu(), k, atol=5e-2, rtol=5e-2)

@@ -349,14 +349,14 @@ def test_gpu_forward_matches_ssd_ref(dtype, atol, q):
 @requires_gpu
 def test_gpu_matches_mamba_ssm_triton_kernel():
     """mamba-ssm's own Triton forward (mamba_chunk_scan_combined) on the same inputs, bf16; its autotuners try
-    their smallest configuration only (oracle.first_configs_only(smallest=True): minutes of compiling saved;
+    their smallest configuration only (oracle.single_config(smallest=True): minutes of compiling saved;
     the first ones ask for more shared memory than an H200 has; any configuration meets the tolerance)."""
     combined = oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined
     inp = make_inputs(2, 1000, 8, 64, 1, 128, D="h", dtype=torch.bfloat16)
     kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], initial_states=inp["initial_states"], dt_softplus=True,
               return_final_states=True)
     out, final = ssd_chunk_scan_forward(*(inp[k] for k in NAMES[:5]), 256, **kw)
-    with oracle.first_configs_only("mamba_ssm.ops.triton", smallest=True):
+    with oracle.single_config("mamba_ssm.ops.triton", smallest=True):
         want_out, want_final = combined(*(inp[k] for k in NAMES[:5]), 256, **kw)
     assert_close(out, want_out.float().cpu(), "out", atol=3e-2, rtol=3e-2)
     assert_close(final, want_final.float().cpu(), "final states", atol=3e-2, rtol=3e-2)
