@@ -105,6 +105,11 @@ def fwd_num_warps(r):
     return 8 if r <= 2 else 4
 
 
+def row_pairs(n):
+    """BLOCK_N2 for a tile of whole rows: next_pow2(n / 2) pairs (at least 1)."""
+    return triton.next_power_of_2(max(n // 2, 1))
+
+
 def turned_and_plain(n, a, r):
     """The backward's split of a row at r = 1: BLOCK_N2 = next_pow2(a) pairs (at least 1) in the turned tile,
     the rest (PLAIN = next_pow2 of the elements left) in a tile of their own; at r > 1, and where the turned
@@ -114,7 +119,7 @@ def turned_and_plain(n, a, r):
     3.10, 8 warps 6.66), although one tile spills 196 B there and the split none: not understood yet."""
     pairs = triton.next_power_of_2(max(a, 1))
     if r > 1 or 2 * pairs >= n:
-        return dict(BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), PLAIN=0)
+        return dict(BLOCK_N2=row_pairs(n), PLAIN=0)
     return dict(BLOCK_N2=pairs, PLAIN=triton.next_power_of_2(n - 2 * pairs))
 
 
@@ -215,7 +220,7 @@ def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype, with_scores=False):
     block_r, block_t = tiles(r)
     rotary_qk_fwd_kernel[(triton.cdiv(T, block_t), h)](
         q, k, q_bias, k_bias, theta, q_out, k_out, scores, T, h, g, n, a,
-        R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+        R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=row_pairs(n),
         SCORES=with_scores, num_warps=fwd_num_warps(r))
     return (q_out, k_out, scores) if with_scores else (q_out, k_out)
 
@@ -384,8 +389,7 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
     tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t)
     if dscores is not None:
         rotary_scores_bwd_kernel[(blocks, g)](q, k, q_bias, k_bias, dscores, dq, dk, partials[0, 1], T, h, g, n,
-                                              k_stride, **tile, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
-                                              num_warps=NUM_WARPS)
+                                              k_stride, **tile, BLOCK_N2=row_pairs(n), num_warps=NUM_WARPS)
     rotary_qk_bwd_kernel[(blocks, g)](
         q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
         **turned_and_plain(n, a, r), HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r),
