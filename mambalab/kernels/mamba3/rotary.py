@@ -40,11 +40,16 @@ Tile rule (shape only): each of q and k is a tile of ROWS = 32 rows of n, BLOCK_
 BLOCK_T = 32 / BLOCK_R positions of the flattened (b·l) axis (at least 1), with BLOCK_N2 = next_pow2(n / 2)
 pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers (the
 earlier pair-strided version took 1.1 ms per call at b4 l4096 h32 n128 in an H200 profile). Forward programs
-are (position block, head), backward programs (position block, group). Every rank sits in one tile so that
-dθ's sum over ranks stays in registers and cos, sin serve every rank; the backward holds q's and k's dx
-tiles (and q, k themselves) across the group's heads, so a tile covers fewer positions as r grows: at r = 1
-the 32 positions of the two-launch version, at r = 4 eight, which makes the dbias partials 1/BLOCK_T of
-dq̂'s size (r = 4: 1/8, was 1/32). Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
+are (position block, head) with every rank in one tile, so that cos, sin serve every rank. Backward
+programs are (position block, group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles
+for q and k (and q, k themselves) across the group's heads, in r = 1's tiles (32 positions, the row split
+by :func:`turned_and_plain`), and writes dθ's term for its rank; the r terms are folded by
+:func:`~mambalab.kernels.reduce.sum_partials` (a fixed order). H200 (session 13, call 5; b4 l4096 h32 g1 n128
+a32, bf16, CUDA graphs): at r = 4 the kernel took 1.31 ms against 1.84 with every rank in one tile of 8
+positions (dθ summed over ranks in registers), and MIMO's whole step 8.50 against 9.05 ms; r = 2 0.67
+against 1.30 ms (step 4.37 against 5.00), r = 8 2.57 against 3.73 (step 19.47 against 20.65). The one-tile
+kernel (``RANK_PROGRAMS = False``, and the launch with the scores' gradient, whose kernel needs every rank
+in a tile) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8). Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
 timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
 0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
 spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
@@ -53,8 +58,8 @@ against 0.599). Splitting a group's heads over several backward programs (more p
 partials) did not help (0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the
 program count, limits it. At r = 1 the backward's tiles hold a row's turned pairs alone (BLOCK_N2 =
 next_pow2(a), with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and there is no dθ,
-in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539 (session 12); at r = 4 the
-same split was slower (3.47 against 1.87 ms), so r > 1 keeps one tile.
+in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539 (session 12); in the
+one-tile kernel at r = 4 the same split was slower (3.47 against 1.87 ms), so that kernel keeps one tile.
 Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
 benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
 changed):
@@ -111,9 +116,9 @@ def row_pairs(n):
 
 
 def turned_and_plain(n, a, r):
-    """The backward's split of a row at r = 1: BLOCK_N2 = next_pow2(a) pairs (at least 1) in the turned tile,
-    the rest (PLAIN = next_pow2 of the elements left) in a tile of their own; at r > 1, and where the turned
-    tile covers the row, one tile (PLAIN = 0). H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
+    """The backward's split of a row for tiles of r = 1 rank (SISO, or a program per rank): BLOCK_N2 =
+    next_pow2(a) pairs (at least 1) in the turned tile, the rest (PLAIN = next_pow2 of the elements left) in a
+    tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0). H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
     CUDA graphs): at r = 1 the split kernel took 0.402 ms against 0.539 for one tile (SISO's whole step 2.18
     against 2.32 ms; at sm_90 it spills nothing, one tile 84 B); at r = 4 3.47 ms against 1.87 (2 loop stages
     3.10, 8 warps 6.66), although one tile spills 196 B there and the split none: not understood yet."""
@@ -240,13 +245,13 @@ def _turn_back(dout_ptr, dst, xt, mask, cos, sin, BLOCK_R: tl.constexpr, BLOCK_T
 @triton.jit
 def _group_block(dbias_ptr, T, h, g, n, R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
                  C0: tl.constexpr, WIDTH: tl.constexpr):
-    """What a backward program (position block, group) addresses in elements C0 … C0 + WIDTH - 1 of each row:
-    its ranks, its positions and their mask, the element offsets, the masks of its (BLOCK_R, BLOCK_T, WIDTH)
-    tiles, the group's rows of q, k (src), and its dbias partials' (BLOCK_R, WIDTH) tile for head 0 (head hd's
-    at + hd·r·n)."""
+    """What a backward program (position block, group[, rank block]) addresses in elements C0 … C0 + WIDTH - 1
+    of each row: its ranks (from program_id(2) · BLOCK_R), its positions and their mask, the element offsets,
+    the masks of its (BLOCK_R, BLOCK_T, WIDTH) tiles, the group's rows of q, k (src), and its dbias partials'
+    (BLOCK_R, WIDTH) tile for head 0 (head hd's at + hd·r·n)."""
     pid_t = tl.program_id(0)
     grp = tl.program_id(1)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     offs_c = C0 + tl.arange(0, WIDTH)
     mask_t = offs_t < T
@@ -306,7 +311,7 @@ def rotary_qk_bwd_kernel(
     dq_out_ptr, dk_out_ptr, # (T, r, h, n) dq̂, dk̂
     dq_ptr, dk_ptr,         # (T, r, g, n) fp32 out
     dbias_ptr,              # (programs along T, h, r, n) fp32 out: q's partials; k's k_part_stride further
-    dtheta_ptr,             # (T, h, a) fp32 out
+    dtheta_ptr,             # (rank blocks, T, h, a) fp32 out: dθ summed over each program's ranks
     T, h, g, n, a, k_part_stride,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N2: tl.constexpr,   # pairs of the turned part: elements 0 … 2·BLOCK_N2 - 1, BLOCK_N2 >= a
@@ -338,6 +343,7 @@ def rotary_qk_bwd_kernel(
             dpq = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
             dpk = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
+    dtheta_ptr += tl.program_id(2).to(tl.int64) * T * h * a        # this rank block's dθ
     for j in tl.range(0, e, num_stages=LOOP_STAGES):               # the group's heads, in order
         hd = grp * e + j
         th_off = (pos[:, None] * h + hd) * a + offs_i[None, :]
@@ -370,6 +376,15 @@ def rotary_qk_bwd_kernel(
         tl.store(dk_ptr + srcp, dpk, mask=maskp)
 
 
+RANK_PROGRAMS = True   # r > 1: a backward program per rank (module docstring); False: every rank in one tile
+
+
+def rank_blocks(r):
+    """Rank blocks of the backward's grid: r at r > 1 (a program per rank, tiles of r = 1's shape, dθ's terms
+    folded over ranks afterwards), else 1."""
+    return r if r > 1 and RANK_PROGRAMS else 1
+
+
 def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
     """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's
     gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs; dscores: the within-step
@@ -378,21 +393,22 @@ def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
     b, l, r, g, n = q.shape
     h, a = q_bias.shape[0], theta.shape[-1]
     T = b * l
-    block_r, block_t = tiles(r)
+    ranks = rank_blocks(r) if dscores is None else 1   # the scores' kernel needs every rank in one tile
+    block_r, block_t = tiles(r // ranks)
     blocks = triton.cdiv(T, block_t)
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dk = torch.empty(b, l, r, g, n, **f32), torch.empty(b, l, r, g, n, **f32)
     # dbias partials (q's, k's) x (the rotation's terms, the scores' terms) x programs, folded in one pass
     partials = torch.empty(2, 2 if dscores is not None else 1, blocks, h, r, n, **f32)
     k_stride = partials.stride(0)
-    dtheta = torch.empty(b, l, h, a, **f32)
+    dtheta = torch.empty(ranks, b, l, h, a, **f32)
     tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t)
     if dscores is not None:
         rotary_scores_bwd_kernel[(blocks, g)](q, k, q_bias, k_bias, dscores, dq, dk, partials[0, 1], T, h, g, n,
                                               k_stride, **tile, BLOCK_N2=row_pairs(n), num_warps=NUM_WARPS)
-    rotary_qk_bwd_kernel[(blocks, g)](
+    rotary_qk_bwd_kernel[(blocks, g, ranks)](
         q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
-        **turned_and_plain(n, a, r), HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r),
+        **turned_and_plain(n, a, r // ranks), HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r // ranks),
         num_warps=BWD_NUM_WARPS)
     dbias = sum_partials(partials.flatten(1, 2), dim=1)           # (2, h, r, n): q's, k's
-    return dq, dk, dbias[0], dbias[1], dtheta
+    return dq, dk, dbias[0], dbias[1], dtheta[0] if ranks == 1 else sum_partials(dtheta, dim=0)
