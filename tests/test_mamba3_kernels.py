@@ -10,14 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, correction_bwd, correction_fwd,
-                                     rank_cumsum_bwd, rank_cumsum_fwd, rank_inputs_bwd, rank_inputs_fwd,
-                                     rank_outputs_bwd, rank_outputs_fwd, rotary_qk_bwd, rotary_qk_fwd)
+from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
+                                     rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
+                                     rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, correction_coefficients, cumulative_angle,
-                                 expand_ranks, mamba3_chunked, mamba3_step_ref, rank_inputs, rank_outputs,
-                                 step_weights, within_step_scores, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
+                                 mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -124,35 +123,41 @@ def test_backward_bits_repeat():
 
 
 def test_rank_cumsum_kernel():
-    """Step 0 on its own: Δ and cs against expand_ranks + a within-chunk cumsum, and its backward against
-    autograd through them (ρ and the sum over ranks)."""
+    """Step 0 on its own: Δ, cs and the same-step weights γ against expand_ranks + a within-chunk cumsum (γ: σ's
+    layout), and its backward against autograd through them (ρ and the sums over ranks)."""
     b, l, h, r, q = 2, 7, 3, 4, 4
     adt = -torch.rand(b, l, h, dtype=torch.float64)
     sigma = torch.rand(b, l, h, dtype=torch.float64)
-    adt.requires_grad_(True)
-    sigma.requires_grad_(True)
+    gamma = torch.rand(b, l, h, dtype=torch.float64)
+    for t in (adt, sigma, gamma):
+        t.requires_grad_(True)
     c = math.ceil(l / q)
     pad = c * q * r - l * r
     *_, a, w = expand_ranks(torch.zeros(b, l, r, h, 1), torch.zeros(b, l, r, h, 1), torch.zeros(b, l, r, h, 1),
                             adt, sigma)                                   # (b, l·r, h)
     chunks = lambda t: F.pad(t, (0, 0, 0, pad)).reshape(b, c, q * r, h).permute(0, 3, 1, 2)   # (b, h, c, Q)
     delta_ref, cs_ref = chunks(w), chunks(a).cumsum(-1)
+    same_ref = chunks(expand_ranks(*(torch.zeros(b, l, r, h, 1),) * 3, adt, gamma)[-1])
 
     dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    delta, cs = rank_cumsum_fwd(dev(adt), dev(sigma), r, q, block_h=4)
+    delta, cs, same = rank_cumsum_fwd(dev(adt), dev(sigma), dev(gamma), r, q, block_h=4)
     assert_close(delta, delta_ref, "Δ", 1e-6)
     assert_close(cs, cs_ref, "cs", 1e-6)
+    assert_close(same, same_ref, "γ per position", 1e-6)
 
     # the SSD backward's gradients: dΔ, dcs (row + col), da (the chunk total) and dws (exponents cs_last - cs_j)
     gen = torch.Generator().manual_seed(2)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     ddelta, dcs_row, dcs_col, dws, da = rnd(*delta.shape), rnd(*cs.shape), rnd(*cs.shape), rnd(*cs.shape), rnd(b, h, c)
+    dsame = rnd(*cs.shape)
     loss = (delta_ref * ddelta).sum() + (cs_ref * (dcs_row + dcs_col)).sum() + (cs_ref[..., -1] * da).sum() \
-        + ((cs_ref[..., -1:] - cs_ref) * dws).sum()
-    dadt_ref, dsigma_ref = torch.autograd.grad(loss, (adt, sigma))
-    dadt, dsigma = rank_cumsum_bwd(dev(ddelta), dev(dcs_row), dev(dcs_col), dev(da), dev(dws), l, r, block_h=4)
+        + ((cs_ref[..., -1:] - cs_ref) * dws).sum() + (same_ref * dsame).sum()
+    dadt_ref, dsigma_ref, dgamma_ref = torch.autograd.grad(loss, (adt, sigma, gamma))
+    dadt, dsigma, dgamma = rank_cumsum_bwd(dev(ddelta), dev(dcs_row), dev(dcs_col), dev(da), dev(dws), dev(dsame), l,
+                                           r, block_h=4)
     assert_close(dadt, dadt_ref, "d adt", 1e-5)
     assert_close(dsigma, dsigma_ref, "d sigma", 1e-5)
+    assert_close(dgamma, dgamma_ref, "d gamma", 1e-5)
 
 
 @pytest.mark.parametrize("a, init", [(40, True), (3, False)])
@@ -190,12 +195,15 @@ def test_angle_cumsum_kernel(a, init):
     (4, 1, 4, 16, 3, 1, 13),     # 8 positions a block: two blocks, one partial
     (8, 2, 2, 16, 8, 1, 7),      # 4 positions a block
 ])
-@pytest.mark.parametrize("scores", [False, True])
-def test_rotary_qk_kernel(r, g, h, n, a, b, l, scores):
-    """q̂ and k̂ in one launch each way: forward against biased_rotated for each (and, with ``scores``, the
-    within-step scores against within_step_scores), backward (dq, dk summed over a group's heads, dbias over
-    positions, dθ over ranks and over q and k, with ``scores`` the scores' gradient added) against autograd
-    through all of them at once; bf16 dq̂, dk̂ read as their fp32 values."""
+@pytest.mark.parametrize("rank_programs", [True, False])
+def test_rotary_qk_kernel(r, g, h, n, a, b, l, rank_programs, monkeypatch):
+    """q̂ and k̂ in one launch each way: forward against biased_rotated for each, backward (dq, dk summed over a
+    group's heads, dbias over positions, dθ over ranks and over q and k) against autograd through both at once,
+    with a backward program per rank (``rank_programs``, dθ's terms folded after) and with every rank in one
+    tile; bf16 dq̂, dk̂ read as their fp32 values."""
+    from mambalab.kernels.mamba3 import rotary
+
+    monkeypatch.setattr(rotary, "RANK_PROGRAMS", rank_programs)
     gen = torch.Generator().manual_seed(r)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     q, k, q_bias, k_bias, theta = rnd(b, l, r, g, n), rnd(b, l, r, g, n), rnd(h, r, n), rnd(h, r, n), rnd(b, l, h, a)
@@ -206,19 +214,11 @@ def test_rotary_qk_kernel(r, g, h, n, a, b, l, scores):
     dq_out, dk_out = rnd(*q_want.shape), rnd(*k_want.shape)
     loss = (q_want * dq_out).sum() + (k_want * dk_out).sum()
     dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    if scores:
-        s_want = within_step_scores(q, k, q_bias, k_bias)                    # (b, l, h, r, r')
-        ds = rnd(*s_want.shape)
-        loss = loss + (s_want * ds).sum()
-        q_got, k_got, s_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32,
-                                            with_scores=True)
-        assert_close(s_got, s_want, "scores", 1e-5)
-    else:
-        q_got, k_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32)
+    q_got, k_got = rotary_qk_fwd(dev(q), dev(k), dev(q_bias), dev(k_bias), dev(theta), torch.float32)
     want = torch.autograd.grad(loss, leaves_)
     assert_close(q_got, q_want, "q̂", 1e-6)
     assert_close(k_got, k_want, "k̂", 1e-6)
-    got = rotary_qk_bwd(dev(dq_out), dev(dk_out), *map(dev, leaves_), dev(ds) if scores else None)
+    got = rotary_qk_bwd(dev(dq_out), dev(dk_out), *map(dev, leaves_))
     for name, g_, w in zip(("dq", "dk", "dq_bias", "dk_bias", "dθ"), got, want):
         assert g_.dtype == torch.float32 and g_.shape == w.shape, name
         assert_close(g_, w, name, 1e-5)
@@ -228,41 +228,34 @@ def test_rotary_qk_kernel(r, g, h, n, a, b, l, scores):
         assert torch.equal(g_, w)
 
 
-@pytest.mark.parametrize("r, z, D", [(1, True, False), (1, False, False), (4, True, True), (4, False, False),
-                                     (2, True, False), (2, False, True)])
-def test_rank_outputs_kernel(r, z, D):
-    """The fused output stage against autograd through the PyTorch formula: ref.rank_outputs on y + v ⊙ M with
-    M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r (MIMO; the kernels form M from c, W^V, D) or M = c itself (SISO, D
-    folded into c by the op), forward and every gradient (c, W^V, D, W^Z, W^O included).
-    T = 37 positions: two blocks, one partial; p = 20 (a padded head)."""
+@pytest.mark.parametrize("r, z", [(1, True), (4, True), (4, False), (2, True), (2, False)])
+def test_rank_outputs_kernel(r, z):
+    """The fused output stage against autograd through the PyTorch formula (ref.rank_outputs without D),
+    forward and every gradient (W^Z, W^O included). T = 37 positions: two blocks, one partial; p = 20 (a padded
+    head)."""
     T, h, p = 37, 3, 20
-    gen = torch.Generator().manual_seed(r + 2 * z + 4 * D)
+    gen = torch.Generator().manual_seed(r + 2 * z)
     rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     mimo = r > 1
-    y, v, coef = rnd(T, r, h, p), rnd(T, h, p), rnd(T, h, r, r)
+    y = rnd(T, r, h, p)
     zz = rnd(T, h, p) if z else None
-    wv = rnd(h, r, p) if mimo else None
-    dd = rnd(h) if D else None
     wz = rnd(h, r, p) if mimo and z else None
     wo = rnd(h, r, p) if mimo else None
-    given = dict(y=y, v=v, z=zz, coef=coef, wv=wv, D=dd, wz=wz, wo=wo)
+    given = dict(y=y, z=zz, wz=wz, wo=wo)
     inputs = {k: t.requires_grad_(True) for k, t in given.items() if t is not None}
-    if mimo:
-        M = torch.einsum("thrj,hjp->thrp", coef, wv) + (0 if dd is None else dd[:, None, None] * wv)
-        pre = y + v[:, None] * M.transpose(1, 2)                                        # (T, r, h, p)
-    else:
-        pre = y + v[:, None] * coef[..., 0][:, None]
-    want = rank_outputs(pre, torch.zeros_like(pre), None, zz, wz, wo)
+    want = rank_outputs(y, torch.zeros_like(y), None, zz, wz, wo)
     dout = rnd(T, h, p)
     grads = dict(zip(inputs, torch.autograd.grad((want * dout).sum(), list(inputs.values()))))
     dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
-    args = [dev(given[k]) for k in ("y", "v", "z", "coef", "wv", "D", "wz", "wo")]
+    args = [dev(given[k]) for k in ("y", "z", "wz", "wo")]
     assert_close(rank_outputs_fwd(*args), want, "out", 1e-5)
-    got = dict(zip(("y", "v", "z", "coef", "wv", "D", "wz", "wo"), rank_outputs_bwd(dev(dout), *args)))
+    got = dict(zip(("y", "z", "wz", "wo"), rank_outputs_bwd(dev(dout), *args)))
     assert sorted(k for k, g in got.items() if g is not None) == sorted(inputs)
     for name, want_grad in grads.items():
         assert got[name].shape == given[name].shape, name
         assert_close(got[name], want_grad, f"d{name}", 1e-5)
+    with pytest.raises(ValueError, match="W\\^O exactly when r > 1"):
+        rank_outputs_fwd(args[0], args[1], args[2], None if mimo else dev(rnd(h, r, p)))
 
 
 @pytest.mark.parametrize("r", [2, 4, 8])
@@ -293,41 +286,6 @@ def test_rank_inputs_kernel(r):
         rank_inputs_fwd(dev(v), dev(wv)[:, :, :-1])
 
 
-@pytest.mark.parametrize("r, g, h, n", [(2, 2, 4, 20), (4, 1, 3, 16), (8, 1, 2, 12), (4, 1, 12, 16)])
-def test_correction_kernel(r, g, h, n):
-    """MIMO's correction coefficients c ⊙ (q̃ · k̃) against ref.correction_coefficients over
-    ref.within_step_scores, forward and every gradient (dq, dk summed over a group's heads; db^Q, db^K over
-    positions by partials; dγ, dσ). b·l = 2·13 positions: a padded last block of positions at every r; n = 20,
-    12: padded; 3 or 12 heads a group: padded head columns, and (12) two steps of the loop over heads."""
-    b, l = 2, 13
-    gen = torch.Generator().manual_seed(r + g)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    q, k = rnd(b, l, r, g, n), rnd(b, l, r, g, n)
-    qb, kb = rnd(h, r, n), rnd(h, r, n)
-    gamma, sigma = step_weights(rnd(b, l, h).exp(), torch.sigmoid(rnd(b, l, h)))
-    given = dict(q=q, k=k, q_bias=qb, k_bias=kb, gamma=gamma, sigma=sigma)
-    leaves_ = {name: t.detach().requires_grad_(True) for name, t in given.items()}
-    want = correction_coefficients(within_step_scores(leaves_["q"], leaves_["k"], leaves_["q_bias"],
-                                                      leaves_["k_bias"]), leaves_["gamma"], leaves_["sigma"])
-    dcoef = rnd(*want.shape)
-    grads = torch.autograd.grad((want * dcoef).sum(), list(leaves_.values()))
-    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    args = [dev(t) for t in given.values()]
-    tol = 1e-5 if KERNEL_DEVICE == "cpu" else 3e-3   # the dots: fp32 on the interpreter, tf32 on a GPU
-    got, scores = correction_fwd(*args)
-    assert got.shape == scores.shape == (b, l, h, r, r) and got.dtype == scores.dtype == torch.float32
-    assert_close(got, want, "coef", tol)
-    assert_close(scores, within_step_scores(q, k, qb, kb), "s", tol)
-    for name, g_, w in zip(given, correction_bwd(dev(dcoef), *args, scores), grads):
-        assert g_.shape == w.shape, name
-        assert_close(g_, w, f"d{name}", tol)
-    with pytest.raises(ValueError, match=r"dcoef must have coef's shape"):
-        correction_bwd(dev(dcoef)[:, 1:], *args, scores)
-    with pytest.raises(ValueError, match=r"power-of-two rank 2 <= r"):
-        correction_fwd(args[0][:, :, :1], args[1][:, :, :1], *args[2:])
-
-
-# ---------------------------------------------------------------------------------------------- decode step
 @pytest.mark.parametrize("r, p, n, a, D, z, init", [
     (1, 20, 12, 6, True, True, True),
     (2, 8, 16, 3, False, True, True),

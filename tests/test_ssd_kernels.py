@@ -270,10 +270,10 @@ def test_tile_rule():
         assert (half.block_t, half.block_p, half.block_n) == (cfg.block_t, cfg.block_p, cfg.block_n)
         assert (half.backward_block_t, half.backward_num_warps, half.num_warps) == (64, 4, 8)
     assert kernels.tile_config(24, 64, 128, 32, torch.bfloat16).backward_block_t == 32   # never beyond the chunk
-    # the sweeps: the forward for 16-bit inputs and chunks of one block, 4 warps; the backward 32 head
-    # dimensions a program
-    assert (cfg.sweep_forward, cfg.sweep_warps, cfg.sweep_backward_block_p) == (False, 4, 32)
-    assert (half.sweep_forward, half.sweep_warps, half.sweep_backward_block_p) == (False, 4, 32)   # q = 256
+    # the sweeps: the forward for 16-bit inputs and chunks of one block (the rule's warps); the backward 32
+    # head dimensions a program
+    assert (cfg.sweep_forward, cfg.sweep_backward_block_p) == (False, 32)
+    assert (half.sweep_forward, half.sweep_backward_block_p) == (False, 32)   # q = 256
     assert kernels.tile_config(24, 64, 128, 64, torch.bfloat16).sweep_forward
     assert not kernels.tile_config(24, 64, 128, 64).sweep_forward                               # fp32
     assert kernels.tile_config(3, 16, 16, 16).sweep_backward_block_p == 16

@@ -3,15 +3,13 @@
 * :func:`mamba3_chunk_scan`: the exponential-trapezoidal, rotary, MIMO scan of :mod:`mambalab.ref.mamba3`
   (arguments of :func:`~mambalab.ref.mamba3.mamba3_chunked`), forward and backward. Triton does the heavy
   parts: the cumulative angle (:mod:`mambalab.kernels.mamba3.angle_cumsum`), the biased, rotated q̂ and k̂
-  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), the scan itself, run on the SSD
-  kernels as a rank-expanded SSD (:mod:`mambalab.kernels.mamba3.chunk_scan`), whose backward sums over
-  programs through ``reduction``, and the output stage (:mod:`mambalab.kernels.mamba3.rank_outputs`), which
-  takes the within-step correction's coefficients, W^V and D as they are (for MIMO nothing of size
-  (b, l, h, r, p) is built for it). The correction's scores q̂_r · k̂_r': for SISO they come out of the
-  rotary forward and their gradient goes into the rotary backward; for MIMO the coefficients formed from
-  them are kernels of their own (:mod:`mambalab.kernels.mamba3.correction`). MIMO's rank inputs v ⊙ W^V_r
-  are one kernel each way (:mod:`mambalab.kernels.mamba3.rank_inputs`). The step weights (and SISO's
-  coefficient) are PyTorch around the kernels, differentiated by autograd (no atomics, no index_add).
+  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), MIMO's rank inputs v ⊙ W^V_r
+  (:mod:`mambalab.kernels.mamba3.rank_inputs`), the scan itself, run on the SSD kernels as a rank-expanded
+  SSD whose chunks give the step's own block the weight γ_t (:mod:`mambalab.kernels.mamba3.chunk_scan`: that
+  block is the reference's within-step correction, so the correction costs no kernel of its own, and D is
+  inside too), whose backward sums over programs through ``reduction``, and the output stage
+  (:mod:`mambalab.kernels.mamba3.rank_outputs`: gate and Σ_r W^O). The step weights γ, σ are PyTorch around
+  the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -28,7 +26,7 @@ from mambalab import device as _device
 from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, correction_coefficients,
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs,
                                  entering_state, step_weights)
 
 REDUCTIONS = (None, "atomic", "deterministic")
@@ -89,11 +87,10 @@ class AngleFn(torch.autograd.Function):
 
 
 class Mamba3ScanFn(torch.autograd.Function):
-    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ and, for
-    SISO, the within-step scores q̂_r · k̂_r' in one launch) and
-    :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd`, and their backwards
-    (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch, the
-    scores' gradient included).
+    """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ in one
+    launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd` (the within-step correction and D inside), and
+    their backwards (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in
+    one launch).
     One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
     kernels' dtype (bf16 on a GPU), each program's fp32 tile rounded once, in the default deterministic mode;
     fp32 in the atomic mode. (Session 11, H200: bf16 took MIMO r = 4 from 9.85 to 9.01 ms and SISO from 2.47
@@ -101,36 +98,34 @@ class Mamba3ScanFn(torch.autograd.Function):
     8.9 % for SISO; benchmarks/results/README.md.)
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
-    fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma (b, l, h) fp32; initial (b, h, p, n) fp32 or None
-    -> (y (b, l·r, h, p) in x's dtype, final (b, h, p, n) fp32[, scores (b, l, h, r, r') fp32]). The SSD's
-    B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
+    fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
+    initial (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, D x included, final (b, h, p, n)
+    fp32). The SSD's B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, initial, r, chunk_size, reduction):
-        q_hat, k_hat, *scores = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype,  # one launch,
-                                                       with_scores=r == 1)                 # (b, l, r, h, n)
+    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, initial, r, chunk_size, reduction):
+        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
-        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, initial, r, chunk_size)
-        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, fwd.delta, fwd.cs, fwd.entering)
+        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r, chunk_size)
+        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, D, fwd.delta, fwd.cs, fwd.same, fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
-        return (fwd.y, fwd.final, *scores)
+        return fwd.y, fwd.final
 
     @staticmethod
-    def backward(ctx, dy, dfinal, dscores=None):
-        q, k, q_bias, k_bias, theta, B, C, x, delta, cs, entering = ctx.saved_tensors
+    def backward(ctx, dy, dfinal):
+        q, k, q_bias, k_bias, theta, B, C, x, D, delta, cs, same, entering = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
-        fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, entering, ctx.tiles)
-        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
+        fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, same, entering, ctx.tiles)
+        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, D, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
-        dscores = None if dscores is None else dscores.float().contiguous()
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
-                                                                   theta, dscores)   # dC, dB as they are
-        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dinitial,
-                None, None, None)
+                                                                   theta)   # dC, dB as they are
+        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dgamma, g.dD,
+                g.dinitial, None, None, None)
 
 
 class RankInputsFn(torch.autograd.Function):
@@ -149,40 +144,19 @@ class RankInputsFn(torch.autograd.Function):
         return _kernels.rank_inputs_bwd(dx.contiguous(), v, wv)
 
 
-class CorrectionFn(torch.autograd.Function):
-    """MIMO's within-step correction coefficients c ⊙ (q̃ · k̃): :func:`mambalab.kernels.mamba3.correction_fwd` /
-    ``correction_bwd`` (one launch forward, which also writes the scores s for the backward; two backward, plus
-    the fold of db^Q, db^K's partials). q, k (b, l, r, g, n) in the kernels' dtype; q_bias, k_bias (h, r, n)
-    fp32; gamma, sigma (b, l, h) fp32 -> (b, l, h, r, r) fp32."""
-
-    @staticmethod
-    def forward(ctx, q, k, q_bias, k_bias, gamma, sigma):
-        args = tuple(t.contiguous() for t in (q, k, q_bias, k_bias, gamma, sigma))
-        coef, scores = _kernels.correction_fwd(*args)
-        ctx.save_for_backward(*args, scores)
-        return coef
-
-    @staticmethod
-    def backward(ctx, dcoef):
-        return _kernels.correction_bwd(dcoef.float().contiguous(), *ctx.saved_tensors)
-
-
 class RankOutputsFn(torch.autograd.Function):
-    """out = Σ_r W^O_r ⊙ (y_r + v ⊙ M_r) ⊙ silu(z ⊙ W^Z_r), M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r formed inside
-    the kernels: :func:`mambalab.kernels.mamba3.rank_outputs_fwd` / ``rank_outputs_bwd``. y (T, r, h, p);
-    v, z (T, h, p); MIMO: coef (T, h, r, r'), wv (h, r, p), D (h,) or None, fp32; SISO: coef = M (T, h, 1, 1)
-    fp32 with D folded in, wv and D None; wz, wo (h, r, p) fp32 or None -> out (T, h, p) in v's dtype."""
+    """out = Σ_r W^O_r ⊙ y_r ⊙ silu(z ⊙ W^Z_r) (SISO: y ⊙ silu(z)): :func:`mambalab.kernels.mamba3.rank_outputs_fwd`
+    / ``rank_outputs_bwd``. y (T, r, h, p); z (T, h, p) or None; wz, wo (h, r, p) fp32 or None -> out (T, h, p)
+    in y's dtype."""
 
     @staticmethod
-    def forward(ctx, y, v, z, coef, wv, D, wz, wo):
-        ctx.save_for_backward(y, v, z, coef, wv, D, wz, wo)
-        return _kernels.rank_outputs_fwd(y, v, z, coef, wv, D, wz, wo)
+    def forward(ctx, y, z, wz, wo):
+        ctx.save_for_backward(y, z, wz, wo)
+        return _kernels.rank_outputs_fwd(y, z, wz, wo)
 
     @staticmethod
     def backward(ctx, dout):
-        y, v, z, coef, wv, D, wz, wo = ctx.saved_tensors
-        # (dy, dv, dz, dcoef, dwv, dD, dwz, dwo): dv, dz already in v's, z's dtype
-        return _kernels.rank_outputs_bwd(dout.contiguous(), y, v, z, coef, wv, D, wz, wo)
+        return _kernels.rank_outputs_bwd(dout.contiguous(), *ctx.saved_tensors)   # (dy, dz, dwz, dwo)
 
 
 def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
@@ -229,26 +203,18 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
     v_rows = v.reshape(T, h, p).contiguous()                                  # (T, h, p)
     x = RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p) if mimo else v_rows.view(b, l, h, p)
-    y, final, *scores = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(),
-                                           k_bias.contiguous(), theta, x, adt.contiguous(), sigma.contiguous(),
-                                           None if entering0 is None else entering0.contiguous(), r, chunk_size,
-                                           reduction)
-    # the correction's coefficients c_{r,r'} (q̂_{t,r} · k̂_{t,r'}) (b, l, h, r, r') fp32, from which the output
-    # kernels form M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r for their tile. SISO: the scores come out of the
-    # rotary forward (H200, session 7: SISO forward+backward 3.30 ms, where a dozen small matmuls took 4.54) and
-    # M = c_{0,0} q̂·k̂ + D is one number per position and head. MIMO: kernels.mamba3.correction (r² scores a
-    # head in the rotary kernels took MIMO r = 4 from 15.9 to 17.3 ms in session 7; benchmarks/results/README.md)
-    if mimo:
-        coef = CorrectionFn.apply(q, k, q_bias, k_bias, gamma, sigma)
+    # the within-step correction is inside the scan (the same step's block of the chunk takes γ_t: see
+    # kernels.mamba3.chunk_scan), and D x = D v ⊙ W^V_r too; the output stage is the gate and Σ_r W^O alone
+    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
+                                  x, adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
+                                  None if D is None else D.contiguous(),
+                                  None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction)
+    if mimo or z is not None:
+        out = RankOutputsFn.apply(y.view(T, r, h, p), None if z is None else z.reshape(T, h, p).contiguous(),
+                                  None if mimo_z is None else mimo_z.contiguous(),
+                                  None if mimo_o is None else mimo_o.contiguous())
     else:
-        coef = correction_coefficients(scores[0], gamma, sigma)
-        coef = coef if D is None else coef + D[:, None, None]
-    out = RankOutputsFn.apply(y.view(T, r, h, p), v_rows,
-                              None if z is None else z.reshape(T, h, p).contiguous(),
-                              coef.reshape(T, h, r, r).contiguous(), mimo_v.contiguous() if mimo else None,
-                              D.contiguous() if mimo and D is not None else None,
-                              None if mimo_z is None else mimo_z.contiguous(),
-                              None if mimo_o is None else mimo_o.contiguous())
+        out = y                                                               # SISO without a gate: y itself
     out = out.view(b, l, h, p).to(dtype_in)
     if not return_final_state:
         return out

@@ -45,8 +45,7 @@ def rank_inputs_fwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    _, rows, offs_p, mask_p, _, mask, _, v, _ = program_tile(v_ptr, v_ptr, pid_t, hd, T, h, p, False, BLOCK_T,
-                                                             BLOCK_P)
+    rows, offs_p, mask_p, mask, _, v = program_tile(v_ptr, pid_t, hd, T, h, p, BLOCK_T, BLOCK_P)
     for r in range(R):
         w = tl.load(wv_ptr + (hd * R + r) * p + offs_p, mask=mask_p, other=0.0)[None, :]
         tl.store(x_ptr + ((rows * R + r) * h + hd) * p + offs_p[None, :], (v * w).to(x_ptr.dtype.element_ty),
@@ -65,8 +64,7 @@ def rank_inputs_bwd_kernel(
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
-    _, rows, offs_p, mask_p, _, mask, hp, v, _ = program_tile(v_ptr, v_ptr, pid_t, hd, T, h, p, False, BLOCK_T,
-                                                              BLOCK_P)
+    rows, offs_p, mask_p, mask, hp, v = program_tile(v_ptr, pid_t, hd, T, h, p, BLOCK_T, BLOCK_P)
     dv = tl.zeros((BLOCK_T, BLOCK_P), dtype=tl.float32)
     for r in range(R):
         w = tl.load(wv_ptr + (hd * R + r) * p + offs_p, mask=mask_p, other=0.0)[None, :]

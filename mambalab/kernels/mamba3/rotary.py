@@ -12,27 +12,15 @@ Backward, from dout (the rotation is orthogonal, so its transpose turns back by 
     dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
     dθ[t, h, i] = Σ_r (dq̂_{2i+1} q̂_{2i} - dq̂_{2i} q̂_{2i+1})  +  Σ_r (dk̂_{2i+1} k̂_{2i} - dk̂_{2i} k̂_{2i+1})
 
-With ``with_scores`` the forward also writes the within-step scores the op's correction needs (one number
-per position, head and pair of ranks; a rotation keeps dot products, so they are those of the unrotated x̃):
+(Until session 13 the forward also wrote the within-step scores q̂_r · k̂_r' for the op's correction, and a
+kernel of the backward took their gradient; the correction now lives in the scan's same-step block,
+:mod:`mambalab.kernels.mamba3.chunk_scan`, so neither exists.)
 
-    s[t, h, r, r'] = q̂_{t,r} · k̂_{t,r'} = q̃_{t,r} · k̃_{t,r'}
-
-and the backward adds their gradient ds to the unrotated gradients before anything is summed (no dθ term):
-
-    dq̃_r += Σ_{r'} ds[r, r'] k̃_{r'},   dk̃_{r'} += Σ_r ds[r, r'] q̃_r
-
-The forward's scores cost no pass over q and k of their own; their backward is a kernel of its own
-(:func:`rotary_scores_bwd_kernel`, which writes its terms where dq and dk go; the rotary backward then adds to
-them), because fused into the rotary backward it made the compiler spill 4-10x as much there. In PyTorch the
-scores were a dozen small matmuls each way (bmm and gemv: 0.35 ms of GPU time per SISO step in an H200
-profile at b4 l4096 h32).
-
-One launch each way for q and k (the scores' backward aside): a program loads θ and evaluates cos θ, sin θ
-once per (position block, head) and uses them for q and k and every rank; the backward sums dθ over ranks
-and over q and k in registers and writes it once. The sum over a group's heads stays inside a program (heads
-in order); the sum over positions for dbias is a reduction across programs: per-program partials, q's and
-k's (and the scores' terms) in one buffer, folded by one :func:`mambalab.kernels.reduce.sum_partials`
-(never atomics).
+One launch each way for q and k: a program loads θ and evaluates cos θ, sin θ once per (position block,
+head) and uses them for q and k and every rank; the backward sums dθ over q and k (and, in a tile of every
+rank, over ranks) in registers and writes it once. The sum over a group's heads stays inside a program
+(heads in order); the sum over positions for dbias is a reduction across programs: per-program partials,
+q's and k's in one buffer, folded by one :func:`mambalab.kernels.reduce.sum_partials` (never atomics).
 
 The outputs are written in the rank-expanded layout the SSD kernels read: (b, l, r, h, n) is (b, l·r, h, n).
 
@@ -48,8 +36,8 @@ by :func:`turned_and_plain`), and writes dθ's term for its rank; the r terms ar
 a32, bf16, CUDA graphs): at r = 4 the kernel took 1.31 ms against 1.84 with every rank in one tile of 8
 positions (dθ summed over ranks in registers), and MIMO's whole step 8.50 against 9.05 ms; r = 2 0.67
 against 1.30 ms (step 4.37 against 5.00), r = 8 2.57 against 3.73 (step 19.47 against 20.65). The one-tile
-kernel (``RANK_PROGRAMS = False``, and the launch with the scores' gradient, whose kernel needs every rank
-in a tile) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8). Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
+kernel (``RANK_PROGRAMS = False``) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8).
+Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
 timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
 0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
 spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
@@ -89,7 +77,6 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-NUM_WARPS = 8       # the scores' backward (no spills at 8: 166 registers at r = 1, 190 at r = 4)
 BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
 
 
@@ -98,7 +85,7 @@ def bwd_loop_stages(r):
     loads of up to that many heads in flight; 1: none). H200, b4 l4096 h32 g1 n128, one process (session 8,
     benchmarks/results/README.md): at r = 1 the kernel took 0.452 ms with 3 stages against 0.513 with 1 (2:
     0.481, 4: 0.718); at r = 4, 1.96 ms with 1 against 2.13-3.38 with 2-4, where the larger tiles leave no
-    room. The same in the scores' backward was slower (0.123 ms against 0.076), so that loop is plain."""
+    room."""
     return 3 if r == 1 else 1
 
 
@@ -118,7 +105,8 @@ def row_pairs(n):
 def turned_and_plain(n, a, r):
     """The backward's split of a row for tiles of r = 1 rank (SISO, or a program per rank): BLOCK_N2 =
     next_pow2(a) pairs (at least 1) in the turned tile, the rest (PLAIN = next_pow2 of the elements left) in a
-    tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0). H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
+    tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0).
+    H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
     CUDA graphs): at r = 1 the split kernel took 0.402 ms against 0.539 for one tile (SISO's whole step 2.18
     against 2.32 ms; at sm_90 it spills nothing, one tile 84 B); at r = 4 3.47 ms against 1.87 (2 loop stages
     3.10, 8 warps 6.66), although one tile spills 196 B there and the split none: not understood yet."""
@@ -150,21 +138,12 @@ def _rows(even, odd, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.
 @triton.jit
 def _turn(x_ptr, bias_ptr, out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin,
           BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """out = Rot(θ) x̃ with x̃ = x + bias, for one of q, k: a (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tile; returns x̃."""
+    """out = Rot(θ) x̃ with x̃ = x + bias, for one of q, k: a (BLOCK_R, BLOCK_T, 2·BLOCK_N2) tile."""
     x = tl.load(x_ptr + src, mask=mask, other=0.0).to(tl.float32)
     x += tl.load(bias_ptr + bias_off, mask=mask_rc, other=0.0)
     x0, x1 = _pairs(x, BLOCK_R, BLOCK_T, BLOCK_N2)
     out = _rows(x0 * cos - x1 * sin, x0 * sin + x1 * cos, BLOCK_R, BLOCK_T, BLOCK_N2)
     tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mask)
-    return x
-
-
-@triton.jit
-def _score_offsets(pos, hd, h, offs_r, mask_t, R: tl.constexpr):
-    """Addresses and mask of the (BLOCK_R, BLOCK_R, BLOCK_T) tile s[t, hd, r, r'] of a (T, h, r, r') array."""
-    off = ((pos[None, None, :] * h + hd) * R + offs_r[:, None, None]) * R + offs_r[None, :, None]
-    mask = (offs_r < R)[:, None, None] & (offs_r < R)[None, :, None] & mask_t[None, None, :]
-    return off, mask
 
 
 @triton.jit
@@ -173,10 +152,8 @@ def rotary_qk_fwd_kernel(
     q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
     theta_ptr,              # (T, h, a) fp32
     q_out_ptr, k_out_ptr,   # (T, r, h, n) out
-    scores_ptr,             # (T, h, r, r') fp32 out (SCORES)
     T, h, g, n, a,
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
-    SCORES: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     hd = tl.program_id(1)
@@ -198,36 +175,24 @@ def rotary_qk_fwd_kernel(
     src = (rows * g + grp) * n + offs_c[None, None, :]
     dst = (rows * h + hd) * n + offs_c[None, None, :]
     bias_off = (hd * R + offs_r[:, None, None]) * n + offs_c[None, None, :]
-    qt = _turn(q_ptr, q_bias_ptr, q_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
-    kt = _turn(k_ptr, k_bias_ptr, k_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
-    if SCORES:   # q̃_r · k̃_r' for every pair of ranks: (BLOCK_R, BLOCK_R', BLOCK_T)
-        if BLOCK_R == 1:   # SISO: one dot a position, reduced on the tile as it is (no 4-d broadcast): on an
-            # H200 (session 7, call 4; b4 l4096 h32 n128) the forward took 0.141 ms with scores, against 0.201
-            # through the 4-d broadcast and 0.133 without scores. (The same change in the scores' backward, a
-            # reshape of ds instead of the sum over r', made that 0.27 ms slower, and was dropped.)
-            s = tl.sum(qt * kt, axis=2)[:, None, :]
-        else:
-            s = tl.sum(qt[:, None, :, :] * kt[None, :, :, :], axis=3)
-        s_off, s_mask = _score_offsets(pos, hd, h, offs_r, mask_t, R)
-        tl.store(scores_ptr + s_off, s, mask=s_mask)
+    _turn(q_ptr, q_bias_ptr, q_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
+    _turn(k_ptr, k_bias_ptr, k_out_ptr, src, bias_off, dst, mask, mask_rc, cos, sin, BLOCK_R, BLOCK_T, BLOCK_N2)
 
 
-def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype, with_scores=False):
+def rotary_qk_fwd(q, k, q_bias, k_bias, theta, out_dtype):
     """Launch the forward. q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
-    fp32 -> (q̂, k̂), each (b, l, r, h, n) in ``out_dtype``; with ``with_scores`` (q̂, k̂, s) with the
-    within-step scores s (b, l, h, r, r') fp32."""
+    fp32 -> (q̂, k̂), each (b, l, r, h, n) in ``out_dtype``."""
     b, l, r, g, n = q.shape
     h, a = q_bias.shape[0], theta.shape[-1]
     q_out = torch.empty(b, l, r, h, n, device=q.device, dtype=out_dtype)
     k_out = torch.empty_like(q_out)
-    scores = torch.empty(b, l, h, r, r, device=q.device, dtype=torch.float32) if with_scores else None
     T = b * l
     block_r, block_t = tiles(r)
     rotary_qk_fwd_kernel[(triton.cdiv(T, block_t), h)](
-        q, k, q_bias, k_bias, theta, q_out, k_out, scores, T, h, g, n, a,
+        q, k, q_bias, k_bias, theta, q_out, k_out, T, h, g, n, a,
         R=r, BLOCK_R=block_r, BLOCK_T=block_t, BLOCK_N2=row_pairs(n),
-        SCORES=with_scores, num_warps=fwd_num_warps(r))
-    return (q_out, k_out, scores) if with_scores else (q_out, k_out)
+        num_warps=fwd_num_warps(r))
+    return q_out, k_out
 
 
 @triton.jit
@@ -265,45 +230,6 @@ def _group_block(dbias_ptr, T, h, g, n, R: tl.constexpr, BLOCK_R: tl.constexpr, 
 
 
 @triton.jit
-def rotary_scores_bwd_kernel(
-    q_ptr, k_ptr,           # (T, r, g, n) the forward's inputs
-    q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
-    dscores_ptr,            # (T, h, r, r') fp32
-    dq_ptr, dk_ptr,         # (T, r, g, n) fp32 out: the scores' terms, summed over the group's heads
-    dbias_ptr,              # (programs along T, h, r, n) fp32 out: q's partials; k's k_part_stride further
-    T, h, g, n, k_part_stride,
-    R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N2: tl.constexpr,
-):
-    """The scores' part of the backward (rotation-free): dq̃_r = Σ_r' ds[r, r'] k̃_r', dk̃_r' = Σ_r ds[r, r'] q̃_r
-    per head, summed over the group's heads (in order) into dq, dk and over positions as dbias partials. A
-    kernel of its own: fused into rotary_qk_bwd_kernel's loop, or as a loop before it, it made the compiler
-    spill 4-10x as much there (sm_90, benchmarks/ptxas_ssd.py --op mamba3)."""
-    grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
-        dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, 0, 2 * BLOCK_N2)
-    e = h // g                                                     # heads per group
-    xq = tl.load(q_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    xk = tl.load(k_ptr + src, mask=mask, other=0.0).to(tl.float32)
-    dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-    k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
-    for j in range(0, e):                                          # the group's heads, in order
-        hd = grp * e + j
-        bias_off = (hd * R + offs_r[:, None]) * n + offs_c[None, :]
-        qt = xq + tl.load(q_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # q̃
-        kt = xk + tl.load(k_bias_ptr + bias_off, mask=mask_rc, other=0.0)[:, None, :]   # k̃
-        s_off, s_mask = _score_offsets(pos, hd, h, offs_r, mask_t, R)
-        ds = tl.load(dscores_ptr + s_off, mask=s_mask, other=0.0)[:, :, :, None]   # (BLOCK_R, BLOCK_R', BLOCK_T, 1)
-        sq = tl.sum(ds * kt[None, :, :, :], axis=1)
-        sk = tl.sum(ds * qt[:, None, :, :], axis=0)
-        tl.store(part + hd * R * n, tl.sum(sq, axis=1), mask=mask_rc)
-        tl.store(part + k_part + hd * R * n, tl.sum(sk, axis=1), mask=mask_rc)
-        dxq += sq
-        dxk += sk
-    tl.store(dq_ptr + src, dxq, mask=mask)
-    tl.store(dk_ptr + src, dxk, mask=mask)
-
-
-@triton.jit
 def rotary_qk_bwd_kernel(
     q_ptr, k_ptr,           # (T, r, g, n) the forward's inputs
     q_bias_ptr, k_bias_ptr, # (h, r, n) fp32
@@ -316,7 +242,6 @@ def rotary_qk_bwd_kernel(
     R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_N2: tl.constexpr,   # pairs of the turned part: elements 0 … 2·BLOCK_N2 - 1, BLOCK_N2 >= a
     PLAIN: tl.constexpr,      # elements of the part no pair of which turns, from 2·BLOCK_N2 on (0: none)
-    HAS_DS: tl.constexpr,   # dq, dk hold the scores' terms on entry (added to, not overwritten)
     LOOP_STAGES: tl.constexpr,
 ):
     grp, offs_r, offs_c, mask_t, mask_rc, mask, pos, rows, src, part = _group_block(
@@ -326,22 +251,14 @@ def rotary_qk_bwd_kernel(
     mask_a = mask_t[:, None] & (offs_i < a)[None, :]
     xq = tl.load(q_ptr + src, mask=mask, other=0.0)                # kept in their dtype across the heads
     xk = tl.load(k_ptr + src, mask=mask, other=0.0)
-    if HAS_DS:   # start from the scores' terms, which rotary_scores_bwd_kernel wrote where dq, dk go
-        dxq = tl.load(dq_ptr + src, mask=mask, other=0.0)
-        dxk = tl.load(dk_ptr + src, mask=mask, other=0.0)
-    else:
-        dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
-        dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    dxq = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
+    dxk = tl.zeros((BLOCK_R, BLOCK_T, 2 * BLOCK_N2), dtype=tl.float32)
     if PLAIN > 0:   # the rest of each row: dx̃ = dout there, no θ, no x (its own tiles, so that the turn's
         # tiles, and their registers, cover the turned pairs alone)
         _, _, offs_cp, _, mask_rcp, maskp, _, _, srcp, partp = _group_block(
             dbias_ptr, T, h, g, n, R, BLOCK_R, BLOCK_T, 2 * BLOCK_N2, PLAIN)
-        if HAS_DS:
-            dpq = tl.load(dq_ptr + srcp, mask=maskp, other=0.0)
-            dpk = tl.load(dk_ptr + srcp, mask=maskp, other=0.0)
-        else:
-            dpq = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
-            dpk = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
+        dpq = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
+        dpk = tl.zeros((BLOCK_R, BLOCK_T, PLAIN), dtype=tl.float32)
     k_part = k_part_stride.to(tl.int64)                            # from q's partials to k's
     dtheta_ptr += tl.program_id(2).to(tl.int64) * T * h * a        # this rank block's dθ
     for j in tl.range(0, e, num_stages=LOOP_STAGES):               # the group's heads, in order
@@ -385,30 +302,25 @@ def rank_blocks(r):
     return r if r > 1 and RANK_PROGRAMS else 1
 
 
-def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta, dscores=None):
+def rotary_qk_bwd(dq_out, dk_out, q, k, q_bias, k_bias, theta):
     """Launch the backward. dq_out, dk_out: dq̂, dk̂ (b, l, r, h, n) contiguous, any float dtype (the scan's
-    gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs; dscores: the within-step
-    scores' gradient (b, l, h, r, r') fp32 contiguous, or None
+    gradients are read as they are); q, k, q_bias, k_bias, theta: the forward's inputs
     -> (dq, dk (b, l, r, g, n) fp32, dq_bias, dk_bias (h, r, n) fp32, dtheta (b, l, h, a) fp32)."""
     b, l, r, g, n = q.shape
     h, a = q_bias.shape[0], theta.shape[-1]
     T = b * l
-    ranks = rank_blocks(r) if dscores is None else 1   # the scores' kernel needs every rank in one tile
+    ranks = rank_blocks(r)
     block_r, block_t = tiles(r // ranks)
     blocks = triton.cdiv(T, block_t)
     f32 = dict(device=q.device, dtype=torch.float32)
     dq, dk = torch.empty(b, l, r, g, n, **f32), torch.empty(b, l, r, g, n, **f32)
-    # dbias partials (q's, k's) x (the rotation's terms, the scores' terms) x programs, folded in one pass
-    partials = torch.empty(2, 2 if dscores is not None else 1, blocks, h, r, n, **f32)
+    partials = torch.empty(2, blocks, h, r, n, **f32)   # dbias partials, q's and k's, folded in one pass
     k_stride = partials.stride(0)
     dtheta = torch.empty(ranks, b, l, h, a, **f32)
     tile = dict(R=r, BLOCK_R=block_r, BLOCK_T=block_t)
-    if dscores is not None:
-        rotary_scores_bwd_kernel[(blocks, g)](q, k, q_bias, k_bias, dscores, dq, dk, partials[0, 1], T, h, g, n,
-                                              k_stride, **tile, BLOCK_N2=row_pairs(n), num_warps=NUM_WARPS)
     rotary_qk_bwd_kernel[(blocks, g, ranks)](
-        q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials[0, 0], dtheta, T, h, g, n, a, k_stride, **tile,
-        **turned_and_plain(n, a, r // ranks), HAS_DS=dscores is not None, LOOP_STAGES=bwd_loop_stages(r // ranks),
+        q, k, q_bias, k_bias, theta, dq_out, dk_out, dq, dk, partials, dtheta, T, h, g, n, a, k_stride, **tile,
+        **turned_and_plain(n, a, r // ranks), LOOP_STAGES=bwd_loop_stages(r // ranks),
         num_warps=BWD_NUM_WARPS)
-    dbias = sum_partials(partials.flatten(1, 2), dim=1)           # (2, h, r, n): q's, k's
+    dbias = sum_partials(partials, dim=1)                         # (2, h, r, n): q's, k's
     return dq, dk, dbias[0], dbias[1], dtheta[0] if ranks == 1 else sum_partials(dtheta, dim=0)

@@ -60,6 +60,31 @@ def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constexpr):
+    """The chunk's weights, rows t, columns s (BLOCK_T × BLOCK_T each): (W, L, earlier).
+
+    SSD (STEP = 0): L = exp(cs_t - cs_s) for s ≤ t, else 0, and W = L Δ_s; earlier = s < t, where W depends
+    on cs. With STEP positions a step (Mamba-3's rank-expanded scan, position j = step j // STEP): the same for
+    earlier steps, but the step's own positions all get the step's weight ``same_t`` (its γ) instead:
+
+        W[t, s] = exp(cs_t - cs_s) Δ_s    step(s) < step(t)     (L, and earlier, there only)
+                = same_t                  step(s) = step(t)
+                = 0                       step(s) > step(t)
+
+    The causal mask goes on the exponent before the exp, so exp never sees a positive argument."""
+    if STEP > 0:
+        earlier = (offs_t // STEP)[:, None] > (offs_s // STEP)[None, :]
+        L = tl.exp(tl.where(earlier, cs_t[:, None] - cs_s[None, :], float("-inf")))
+        same = (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
+        W = tl.where(same, same_t[:, None], L * delta_s[None, :])
+    else:
+        earlier = offs_t[:, None] > offs_s[None, :]
+        L = tl.exp(tl.where(offs_t[:, None] >= offs_s[None, :], cs_t[:, None] - cs_s[None, :], float("-inf")))
+        W = L * delta_s[None, :]
+    return W, L, earlier
+
+
+@triton.jit
 def chunk_scan_fwd_kernel(
     x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
@@ -70,7 +95,9 @@ def chunk_scan_fwd_kernel(
     D_ptr,            # (h,) or (h, p) skip weights, or a dummy
     z_ptr,            # (b, l, h, p) gate, or a dummy
     out_ptr,          # (b, l, h, p) out, in x's dtype
+    same_ptr,         # (b, h, c, q) fp32 the same-step weight at each position (STEP > 0), or a dummy
     h, p, n, l, g, c,  # sizes
+    STEP: tl.constexpr,              # positions a step (Mamba-3's ranks; _intra_weights), 0: plain SSD
     HAS_D: tl.constexpr,
     D_PER_DIM: tl.constexpr,         # D is (h, p) rather than (h,)
     HAS_Z: tl.constexpr,
@@ -96,6 +123,9 @@ def chunk_scan_fwd_kernel(
 
     chunk = ((pid_b * h + head) * c + pid_c).to(tl.int64) * Q
     cs_t = tl.load(cs_ptr + chunk + offs_t)                                          # (BLOCK_T,)
+    same_t = cs_t
+    if STEP > 0:
+        same_t = tl.load(same_ptr + chunk + offs_t)
     row_t = (pid_b * l + pid_c * Q + offs_t).to(tl.int64)                            # (BLOCK_T,)
     C_rows = (row_t[:, None] * g + group) * n                                        # (BLOCK_T, 1)
     H_rows = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n   # (BLOCK_P, 1)
@@ -123,10 +153,11 @@ def chunk_scan_fwd_kernel(
             cb += tl.dot(Ck.to(dot_ty), tl.trans(Bk.to(dot_ty)), input_precision=DOT_PRECISION)      # (BT, BT)
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
-        # Decay from s to t: mask the exponent first (-inf where s > t), then exp.
-        causal = offs_t[:, None] >= offs_s[None, :]
-        L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))   # (BLOCK_T, BLOCK_T)
-        scores = cb * L * delta_s[None, :]
+        W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # (BT, BT)
+        if STEP > 0:
+            scores = cb * W
+        else:
+            scores = cb * L * delta_s[None, :]            # the SSD's order of products (its bits unchanged)
         xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
                      mask=mask_s[:, None] & mask_p[None, :], other=0.0)              # (BLOCK_T, BLOCK_P)
         y += tl.dot(scores.to(dot_ty), xs.to(dot_ty), input_precision=DOT_PRECISION)
@@ -143,9 +174,12 @@ def chunk_scan_fwd_kernel(
     tl.store(out_ptr + x_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_tp)
 
 
-def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee"):
+def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee", same=None,
+                   step: int = 0):
     """Launch step 3. x, z (b, l, h, p) and B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32;
-    entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None. Returns out (b, l, h, p), x's dtype."""
+    entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None; with ``step`` > 0 positions a
+    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`). Returns out
+    (b, l, h, p), x's dtype."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -153,8 +187,8 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
     grid = (b, c, h * (q // cfg.block_t) * triton.cdiv(p, cfg.block_p))
     chunk_scan_fwd_kernel[grid](
         x, B, C, delta, cs, entering,
-        D if D is not None else x, z if z is not None else x, out,
-        h, p, n, l, g, c,
+        D if D is not None else x, z if z is not None else x, out, same if same is not None else delta,
+        h, p, n, l, g, c, STEP=step,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps,
@@ -228,7 +262,10 @@ def chunk_scan_bwd_rows_kernel(
                       # the caller's dtype when g = h: nothing is folded)
     dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
     dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c·q/BLOCK_T, p or 1); or a dummy
+    same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
+    dsame_ptr,        # (b, h, c, q) fp32 out: their gradient (STEP > 0), or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
+    STEP: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -244,6 +281,10 @@ def chunk_scan_bwd_rows_kernel(
     Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0).to(dot_ty)
     cs_t = tl.load(cs_ptr + chunk + offs_t)
     e_t = tl.exp(cs_t)
+    same_t = cs_t
+    dsame = tl.zeros((BLOCK_T,), dtype=tl.float32)
+    if STEP > 0:
+        same_t = tl.load(same_ptr + chunk + offs_t)
     dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
     dY = dout
     if HAS_Z:
@@ -267,16 +308,24 @@ def chunk_scan_bwd_rows_kernel(
                      mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
-        causal = offs_t[:, None] >= offs_s[None, :]
-        L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))
+        W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
-        if HAS_Z:
-            y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)
         dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
-        Mw = L * dYx * delta_s[None, :]
+        if STEP > 0:
+            if HAS_Z:
+                y += tl.dot((CB * W).to(dot_ty), xs, input_precision=DOT_PRECISION)
+            Mw = W * dYx
+            same = (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
+            dsame += tl.sum(tl.where(same, CB * dYx, 0.0), axis=1)
+        else:   # the SSD's order of products (its bits unchanged)
+            if HAS_Z:
+                y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)
+            Mw = L * dYx * delta_s[None, :]
         dC += tl.dot(Mw.to(dot_ty), Bs, input_precision=DOT_PRECISION)
-        dcs_row += tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], Mw * CB, 0.0), axis=1)
+        dcs_row += tl.sum(tl.where(earlier, Mw * CB, 0.0), axis=1)
     tl.store(dcs_row_ptr + chunk + offs_t, dcs_row)
+    if STEP > 0:
+        tl.store(dsame_ptr + chunk + offs_t, dsame)
     if REDUCE_ATOMIC:
         tl.atomic_add(dC_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], dC, mask=mask_tn)
     else:
@@ -321,7 +370,9 @@ def chunk_scan_bwd_columns_kernel(
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
+    same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     h, p, n, l, g, c,
+    STEP: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -360,15 +411,22 @@ def chunk_scan_bwd_columns_kernel(
         Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
         cs_t = tl.load(cs_ptr + chunk + offs_t)
-        causal = offs_t[:, None] >= offs_s[None, :]
-        L = tl.exp(tl.where(causal, cs_t[:, None] - cs_s[None, :], float("-inf")))   # (BT rows t, BT cols s)
-        LCB = L * tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
+        same_t = cs_t
+        if STEP > 0:
+            same_t = tl.load(same_ptr + chunk + offs_t)
+        W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # rows t, cols s
+        CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
+        LCB = L * CB
         dYx = tl.dot(dY, tl.trans(xs_dot), input_precision=DOT_PRECISION)
-        dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
-        dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
+        if STEP > 0:
+            dx += tl.dot(tl.trans((W * CB).to(dot_ty)), dY, input_precision=DOT_PRECISION)
+            dB += tl.dot(tl.trans((W * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
+        else:   # the SSD's order of products (its bits unchanged)
+            dx += delta_s[:, None] * tl.dot(tl.trans(LCB.to(dot_ty)), dY, input_precision=DOT_PRECISION)
+            dB += delta_s[:, None] * tl.dot(tl.trans((L * dYx).to(dot_ty)), Ct, input_precision=DOT_PRECISION)
         G = LCB * dYx
         ddelta += tl.sum(G, axis=0)                                                    # (BT,) per column s
-        dcs_col -= delta_s * tl.sum(tl.where(offs_t[:, None] > offs_s[None, :], G, 0.0), axis=0)
+        dcs_col -= delta_s * tl.sum(tl.where(earlier, G, 0.0), axis=0)
     if HAS_D:
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
@@ -384,16 +442,20 @@ def chunk_scan_bwd_columns_kernel(
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32):
+                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
     dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
     (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
-    (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``."""
+    (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``. With
+    ``step`` > 0 positions a step and their same-step weights ``same`` (b, h, c, q) fp32 (:func:`_intra_weights`),
+    also their gradient dsame (b, h, c, q) fp32, returned last."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     block_t = cfg.backward_block_t
+    if step and block_t % step:
+        raise ValueError(f"a step's {step} positions must not straddle a backward block of {block_t}")
     n_tblocks = q // block_t
     atomic = reduction == "atomic"
     f32 = dict(device=x.device, dtype=torch.float32)
@@ -407,6 +469,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     dcs_row = torch.empty_like(ddelta)
     dcs_col = torch.empty_like(ddelta)
     dws = torch.empty_like(ddelta)
+    dsame = torch.empty_like(ddelta) if step else None
     dD = None
     if D is not None:
         pd = p if D.dim() == 2 else 1
@@ -419,12 +482,13 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     chunk_scan_bwd_rows_kernel[grid](
         x, B, C, delta, cs, entering, D_arg, z_arg, dout,
         dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
-        h, p, n, l, g, c, b * c * n_tblocks, **flags,
+        same if step else delta, dsame if step else delta,
+        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, **flags,
     )
     chunk_scan_bwd_columns_kernel[grid](
         x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
-        dx, dB, ddelta, dcs_col, dws,
-        h, p, n, l, g, c, **flags,
+        dx, dB, ddelta, dcs_col, dws, same if step else delta,
+        h, p, n, l, g, c, STEP=step, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)
@@ -433,4 +497,6 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
         if not atomic:
             dD = sum_partials(dD, dim=1)
         dD = dD.view(D.shape)
+    if step:
+        return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame
     return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws

@@ -64,7 +64,9 @@ def state_sweep_fwd_kernel(
     out_ptr,          # (b, l, h, p) out, x's dtype
     entering_ptr,     # (b, c, h, p, n) out, x's dtype: the state entering each chunk
     final_ptr,        # (b, h, p, n) fp32 out: the state after the last chunk
+    same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0; chunk_scan._intra_weights), or a dummy
     h, p, n, l, g, c,  # sizes
+    STEP: tl.constexpr,              # positions a step (Mamba-3's ranks), 0: plain SSD
     HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_T: tl.constexpr,           # chunk positions per block (divides Q)
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -105,10 +107,20 @@ def state_sweep_fwd_kernel(
             Ct, Bt, xd = Ct.to(dot_ty), Bt.to(dot_ty), xt.to(dot_ty)
             y = tl.exp(cs_t)[:, None] * tl.dot(Ct, tl.trans(Hd), input_precision=DOT_PRECISION)   # (BT, BP)
             # the block's own columns, under the causal mask (applied to the exponent, before the exp)
-            causal = offs_t[:, None] >= offs_t[None, :]
-            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
             cb = tl.dot(Ct, tl.trans(Bt), input_precision=DOT_PRECISION)
-            y += tl.dot((cb * L * delta_t[None, :]).to(dot_ty), xd, input_precision=DOT_PRECISION)
+            if STEP > 0:
+                # the SSD's causal weights, then the step's own block overwritten with its γ (the same W as
+                # chunk_scan._intra_weights; this form, with fewer masks live, took MIMO r = 4's forward from
+                # 2.81 to 2.61 ms on an H200, session 13, call 8)
+                causal = offs_t[:, None] >= offs_t[None, :]
+                W = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf"))) * delta_t[None, :]
+                W = tl.where((offs_t // STEP)[:, None] == (offs_t // STEP)[None, :],
+                             tl.load(same_ptr + chunk + offs_t)[:, None], W)
+                y += tl.dot((cb * W).to(dot_ty), xd, input_precision=DOT_PRECISION)
+            else:
+                causal = offs_t[:, None] >= offs_t[None, :]
+                L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
+                y += tl.dot((cb * L * delta_t[None, :]).to(dot_ty), xd, input_precision=DOT_PRECISION)
             # earlier blocks of the chunk: every s < t
             for s0 in range(0, t0, BLOCK_T):
                 offs_s = s0 + offs_b
@@ -137,10 +149,10 @@ def state_sweep_fwd_kernel(
 
 
 def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str = "ieee",
-                    block_p: int | None = None, num_warps: int | None = None):
+                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0):
     """Launch steps 1-3 as one sweep. x, z (b, l, h, p), B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q)
     fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None. ``block_p`` and
-    ``num_warps`` default to the tile rule's (cfg.block_p, cfg.sweep_warps). Returns (out (b, l, h, p) and
+    ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (b, l, h, p) and
     entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -152,10 +164,10 @@ def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_prec
     state_sweep_fwd_kernel[(b, h * triton.cdiv(p, block_p))](
         x, B, C, delta, cs, initial if initial is not None else final,
         D if D is not None else x, z if z is not None else x, out, entering, final,
-        h, p, n, l, g, c,
+        same if step else delta, h, p, n, l, g, c, STEP=step,
         HAS_INIT=initial is not None, HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2,
         HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q,
-        DOT_PRECISION=dot_precision, num_warps=num_warps or cfg.sweep_warps,
+        DOT_PRECISION=dot_precision, num_warps=num_warps or cfg.num_warps,
     )
     return out, entering, final
 

@@ -29,7 +29,6 @@ class TileConfig:
     bwd_block_t: int | None = None  # chunk positions per program of the chunk-scan backward; None: block_t
     bwd_num_warps: int | None = None  # warps per chunk-scan backward program; None: num_warps
     sweep_forward: bool = True        # Mamba-3's scan runs steps 1-3 as the forward sweep (state_sweep)
-    sweep_num_warps: int | None = None   # warps of the forward sweep; None: num_warps
     sweep_bwd_block_p: int | None = None  # head dimensions per backward-sweep program; None: block_p
 
     @property
@@ -39,10 +38,6 @@ class TileConfig:
     @property
     def backward_num_warps(self) -> int:
         return self.bwd_num_warps or self.num_warps
-
-    @property
-    def sweep_warps(self) -> int:
-        return self.sweep_num_warps or self.num_warps
 
     @property
     def sweep_backward_block_p(self) -> int:
@@ -89,9 +84,10 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
 
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
-      the tile rule's BLOCK_P, with 4 warps for bf16/fp16. Mamba-3's scan takes the forward sweep for 16-bit
-      inputs and chunks of at most 64 positions, one BLOCK_T block (``sweep_forward``): in fp32, and for
-      longer chunks, whose blocks the sweep walks one after another, the split steps were faster.
+      the tile rule's BLOCK_P and warps (8 for 16-bit inputs and a state of 64 × 64 or more). Mamba-3's scan takes
+      the forward sweep for 16-bit inputs and chunks of at most 64 positions, one BLOCK_T block
+      (``sweep_forward``): in fp32, and for longer chunks, whose blocks the sweep walks one after another, the
+      split steps were faster.
 
     Measured on an H200 (session 11, benchmarks/results/2026-12-01_h200_state_sweep_ab_s11.json; b=4, l=4096,
     h=32, p=64, n=128). Mamba-3 forward+backward as CUDA graphs, bf16: SISO (q = 64) 2.54 ms with the
@@ -103,8 +99,12 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     default, keeps the split steps). With the sweep at every q (call 2), MIMO r = 4 at chunk 32 (q = 128)
     took 11.83 ms and at chunk 64 (q = 256) 13.49, against 11.09 and 12.39 with the split steps in session 10;
     call 3 measured the same in one process (10.77 and 11.79 with the split steps, 11.54 and 12.86 swept).
-    sm_90 (benchmarks/ptxas_ssd.py): the bf16 forward sweep at 4 warps uses 255 registers a thread and spills
-    60 B (at 8 warps 255, no spill) and was still the faster; the backward sweep at 32 head dimensions 128
+    sm_90 (benchmarks/ptxas_ssd.py): the bf16 forward sweep at 4 warps used 255 registers a thread and
+    spilled 60 B (at 8 warps 255, no spill) and was still the faster, until session 13 gave it Mamba-3's
+    same-step weights (the within-step correction, :func:`mambalab.kernels.ssd.chunk_scan._intra_weights`):
+    then 8 warps took MIMO r = 4's forward from 2.61 to 2.02 ms and its forward+backward from 7.89 to 7.30
+    (SISO 2.20 to 2.02; H200, session 13, call 8, benchmarks/results/2026-12-01_h200_sweep_same_step_forms_ab_s13.json);
+    the backward sweep at 32 head dimensions 128
     registers (bf16, 8 warps) or 200 (fp32, 4 warps), no spill.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
@@ -129,7 +129,6 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
         bwd_block_t=min(64 if narrow else 32, chunk_size),
         bwd_num_warps=4,
         sweep_forward=narrow and chunk_size <= 64,
-        sweep_num_warps=4 if narrow else None,
         sweep_bwd_block_p=min(32, block_p),
     )
 
