@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from mambalab.ref.mamba3 import (Mamba3State, mamba3_chunked, mamba3_recurrent, mamba3_step_ref, rotate_pairs,
-                                 zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, mamba3_chunked, mamba3_quadratic, mamba3_recurrent, mamba3_step_ref,
+                                 rotate_pairs, scan_weights, step_weights, zero_state)
 from mambalab.ref.ssd import ssd_recurrent
 
 from conftest import make_mamba3_inputs
@@ -25,6 +25,32 @@ def leaves(inputs):
         elif t is not None:
             out[name] = t
     return out
+
+
+# ---------------------------------------------------------------------------------------------- one weight matrix
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_quadratic_form_matches_recurrence(r):
+    """The whole scan as one matrix whose same-step blocks weigh γ_t for every pair of ranks (the form the
+    kernels' step mode computes chunk by chunk) gives the recurrence's outputs, with D, gate and W's."""
+    inp = make_mamba3_inputs(2, 7, 4, 3, 2, 8, r, 2, dtype=torch.float64, seed=10 + r)
+    inp.pop("initial_state", None)
+    want = mamba3_recurrent(**inp)
+    got = mamba3_quadratic(**inp)
+    assert (got - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_scan_weights_blocks():
+    """scan_weights' structure on numbers small enough to write out: one head, two steps, two ranks."""
+    adt = torch.tensor([[[-0.5], [-1.0]]], dtype=torch.float64)              # (b, l, h)
+    sigma = torch.tensor([[[0.3], [0.7]]], dtype=torch.float64)
+    gamma = torch.tensor([[[0.2], [0.4]]], dtype=torch.float64)
+    W = scan_weights(adt, sigma, gamma, 2)[0, 0]                              # (4, 4): positions (t, rank)
+    e = math.exp(-1.0) * 0.3                                                  # step 0's input seen from step 1
+    want = torch.tensor([[0.2, 0.2, 0, 0], [0.2, 0.2, 0, 0], [e, e, 0.4, 0.4], [e, e, 0.4, 0.4]],
+                        dtype=torch.float64)
+    assert torch.allclose(W, want)
+    gamma, sigma = step_weights(torch.full((1, 3, 1), 0.5), torch.full((1, 3, 1), 0.25))
+    assert torch.allclose(sigma - gamma, torch.tensor([[[0.375], [0.375], [0.0]]]))   # (1 - λ) Δ of the next step
 
 
 # ---------------------------------------------------------------------------------------------- chunked vs recurrent

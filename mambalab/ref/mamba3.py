@@ -274,6 +274,47 @@ def mamba3_recurrent(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=N
     return (out, state) if return_final_state else out
 
 
+# ---------------------------------------------------------------------------------------------- one weight matrix
+def scan_weights(adt, sigma, gamma, r):
+    """The weight matrix of the whole scan over rank-expanded positions j = t·r + ρ (step t, rank ρ):
+
+        W[j, i] = exp(A_{s+1}Δ_{s+1} + … + A_tΔ_t) σ_s     s < t      (s = i // r, t = j // r)
+                = γ_t                                     s = t      (every pair of the step's ranks)
+                = 0                                       s > t
+
+    so that y_j = Σ_i W[j, i] (q̂_j · k̂_i) v_i (:func:`mamba3_quadratic`). The same-step block is the unrolled
+    recurrence's γ_t U_t term; the rank-expanded SSD of :func:`mamba3_chunked` gives it σ_t [ρ' <= ρ] instead
+    and :func:`within_step_correction` adds the difference. The kernels compute W chunk by chunk
+    (:func:`mambalab.kernels.ssd.chunk_scan._intra_weights`, the SSD kernels' step mode).
+    adt, sigma, gamma: (b, l, h) -> (b, h, l·r, l·r)."""
+    l = adt.shape[1]
+    cs = torch.cumsum(adt, dim=1)                                             # (b, l, h)
+    seg = (cs[:, :, None] - cs[:, None, :]).permute(0, 3, 1, 2)               # (b, h, t, s): Σ_{s < s' <= t}
+    steps = torch.arange(l, device=adt.device)
+    earlier = steps[:, None] > steps[None, :]
+    decayed = torch.exp(seg.masked_fill(~earlier, float("-inf"))) * sigma.transpose(1, 2)[:, :, None, :]
+    W = torch.where(steps[:, None] == steps[None, :], gamma.transpose(1, 2)[..., None], decayed)
+    return W.repeat_interleave(r, dim=2).repeat_interleave(r, dim=3)
+
+
+def mamba3_quadratic(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
+                     mimo_o=None):
+    """The scan as one (l·r) × (l·r) matrix product, O(l²): the arguments and output of :func:`mamba3_recurrent`
+    without a state (shapes: module docstring). y = ((C Bᵀ) ⊙ W) x over rank-expanded positions, with C = q̂,
+    B = k̂, x = v ⊙ W^V_r and W from :func:`scan_weights`; then D, the gate and W^O (:func:`rank_outputs`)."""
+    b, l, h, p, g, n, r, a = check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
+                                          mimo_o, None)
+    dtype_in, cd = v.dtype, compute_dtype(v)
+    f = lambda t: None if t is None else t.to(cd)
+    q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o = map(
+        f, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o))
+    q_hat, k_hat, v_r, gamma, sigma, _, _ = prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, mimo_v, None)
+    C, B, x, _, _ = expand_ranks(q_hat, k_hat, v_r, adt, sigma)               # (b, l·r, h, ·)
+    scores = torch.einsum("bjhn,bihn->bhji", C, B) * scan_weights(adt, sigma, gamma, r)
+    y = torch.einsum("bhji,bihp->bjhp", scores, x).reshape(b, l, r, h, p)
+    return rank_outputs(y, v_r, D, z, mimo_z, mimo_o).to(dtype_in)
+
+
 # ---------------------------------------------------------------------------------------------- chunked form
 def step_weights(dt, trap):
     """γ_t = λ_t Δ_t and σ_t = γ_t + (1 - λ_{t+1}) Δ_{t+1} (0 past the last step). dt, trap: (b, l, h)."""

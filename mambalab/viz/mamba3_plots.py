@@ -181,3 +181,23 @@ def decode_time_figure(times_us: Mapping[str, float], *, note: str | None = None
                       yaxis=dict(title="time per step (µs)", rangemode="tozero"), template="plotly_white",
                       height=400)
     return fig
+
+
+def scan_weights_figure(weights, rank: int, *, title: str | None = None) -> go.Figure:
+    """Heatmap of one head's scan weights (:func:`mambalab.ref.mamba3.scan_weights`, (l·r, l·r)): rows are
+    output positions, columns input positions, both (step, rank); lines mark the steps, so each step's own
+    block (every pair of its ranks, weight γ_t) shows as a square on the diagonal."""
+    w = weights.detach().double().cpu()
+    positions = w.shape[0]
+    labels = [f"t{j // rank}" + (f"·r{j % rank}" if rank > 1 else "") for j in range(positions)]
+    fig = go.Figure(go.Heatmap(z=w.numpy(), x=labels, y=labels, colorscale="Blues", colorbar=dict(title="W")))
+    for edge in range(rank, positions, rank):
+        for line in (dict(x0=edge - 0.5, x1=edge - 0.5, y0=-0.5, y1=positions - 0.5),
+                     dict(x0=-0.5, x1=positions - 0.5, y0=edge - 0.5, y1=edge - 0.5)):
+            fig.add_shape(type="line", line=dict(color="rgba(0,0,0,0.25)", width=1), **line)
+    fig.update_layout(title=title or f"Scan weights W[j, i], MIMO rank {rank}: earlier steps decay, a step's own "
+                                     "ranks share γ_t",
+                      xaxis=dict(title="input position i (step, rank)"),
+                      yaxis=dict(title="output position j (step, rank)", autorange="reversed"),
+                      template="plotly_white", height=460, width=560)
+    return fig
