@@ -19,6 +19,11 @@ Shapes: x, z, out (b, l, h, p); C, B (b, l, g, n), head i reading group i // (h 
 entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p). out is written in x's dtype, padding positions skipped.
 One program: (batch row, chunk, head, block of BLOCK_T rows, block of BLOCK_P head dimensions).
 
+Step mode (``STEP`` > 0 positions a step; Mamba-3's rank-expanded scan, :mod:`mambalab.kernels.mamba3.chunk_scan`):
+the weights L[t, s] Δ_s of the sum inside the chunk become those of :func:`_intra_weights`, where the positions
+of one step all weigh that step's γ (``same``) on each other, and earlier steps keep L Δ. STEP = 0 is the SSD,
+its products in their original order (so its bits do not move).
+
 Backward (below the forward): this step's and step 1's (chunk states), in one kernel; the math is written there.
 """
 from __future__ import annotations
@@ -216,6 +221,9 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 #                 dΔ_s += exp(cs_{q-1} - cs_s) dw_s,  and dws_s = w_s dw_s, the gradient of the exponent
 #                 cs_{q-1} - cs_s = Σ_{k > s} a_k: step 0 adds Σ_{s < k} dws_s to a_k's gradient directly
 #                 (rather than +dws_s at q-1 and -dws_s at s, which would cancel in the same way)
+# In step mode L_ts Δ_s becomes W_ts of _intra_weights wherever it multiplies (dC, dB, dx), dΔ_s and the dcs
+# terms keep only the entries of earlier steps (the same step's weight γ_t depends on neither), and the rows
+# kernel adds dγ_t = Σ_{s in t's step} CB_ts dYx_ts (written per position; Mamba-3's step 0 sums a step's ranks).
 # Steps 1 and 3 share one kernel because both walk the same positions with the same x, B, Δ, cs.
 #
 # Two kernels, each with one program per (batch row, chunk, head, block of BLOCK_T positions) and the whole

@@ -12,7 +12,9 @@ state H in registers (fp32) and, for c = 0 … C-1,
         + D x_t, then ⊙ silu(z_t) when given
     H_{c+1} = exp(cs_{q-1}) H_c + Σ_s exp(cs_{q-1} - cs_s) Δ_s x_s B_sᵀ                      (steps 1, 2)
 
-and stores H_C, the final state, in fp32. The sums are those of the split steps (their math is in their
+and stores H_C, the final state, in fp32. In the step mode (``step`` > 0; Mamba-3) the chunk's own weights
+are those of :func:`mambalab.kernels.ssd.chunk_scan._intra_weights`: a step's positions weigh its γ on each
+other. The sums are those of the split steps (their math is in their
 files) in the same dtypes: H_c enters the dots in x's dtype, as the stored H_c does there, and the running
 state stays fp32. Nothing of size (b, c, h, p, n) but the entering states is written, and those once.
 
