@@ -177,7 +177,8 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
 
     Returns out (b, l, h, p) in v's dtype, or (out, final state). Inputs fp32/fp16/bf16: q, k, v, z are read
     in their dtype on a GPU (fp32 on the CPU interpreter), q̂, k̂ and the scan's inputs written in v's dtype;
-    step sizes, angles, biases, weights, the correction and the state are fp32.
+    step sizes and their weights γ, σ, angles, biases, W's and the state are fp32. The within-step terms (a
+    step's ranks on each other, weight γ_t) come from the scan's dots of q̂, k̂ in the compute dtype.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
