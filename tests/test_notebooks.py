@@ -39,6 +39,9 @@ def test_committed_notebook_is_clean(path):
     tagged = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     assert len(tagged) == 1, f"{path.name}: {len(tagged)} cells tagged 'parameters', expected exactly one"
     assert tagged[0].cell_type == "code"
+    raw = json.loads(path.read_text(encoding="utf-8"))    # as committed: nbformat.read would add missing ids
+    no_id = [i for i, c in enumerate(raw["cells"]) if "id" not in c]
+    assert not no_id, f"{path.name}: cells {no_id} have no id (nbformat 4.5 requires one; give each a new one)"
 
 
 # --- the harness, on throwaway notebooks --------------------------------------------------------------
