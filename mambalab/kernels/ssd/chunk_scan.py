@@ -65,6 +65,12 @@ def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def _same_step(offs_t, offs_s, STEP: tl.constexpr):
+    """Rows t × columns s (BLOCK_T × BLOCK_T): whether t and s are positions of one step (STEP positions a step)."""
+    return (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
+
+
+@triton.jit
 def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constexpr):
     """The chunk's weights, rows t, columns s (BLOCK_T × BLOCK_T each): (W, L, earlier).
 
@@ -80,8 +86,7 @@ def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constex
     if STEP > 0:
         earlier = (offs_t // STEP)[:, None] > (offs_s // STEP)[None, :]
         L = tl.exp(tl.where(earlier, cs_t[:, None] - cs_s[None, :], float("-inf")))
-        same = (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
-        W = tl.where(same, same_t[:, None], L * delta_s[None, :])
+        W = tl.where(_same_step(offs_t, offs_s, STEP), same_t[:, None], L * delta_s[None, :])
     else:
         earlier = offs_t[:, None] > offs_s[None, :]
         L = tl.exp(tl.where(offs_t[:, None] >= offs_s[None, :], cs_t[:, None] - cs_s[None, :], float("-inf")))
@@ -192,7 +197,7 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
     grid = (b, c, h * (q // cfg.block_t) * triton.cdiv(p, cfg.block_p))
     chunk_scan_fwd_kernel[grid](
         x, B, C, delta, cs, entering,
-        D if D is not None else x, z if z is not None else x, out, same if same is not None else delta,
+        D if D is not None else x, z if z is not None else x, out, same if step else delta,
         h, p, n, l, g, c, STEP=step,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
@@ -323,8 +328,7 @@ def chunk_scan_bwd_rows_kernel(
             if HAS_Z:
                 y += tl.dot((CB * W).to(dot_ty), xs, input_precision=DOT_PRECISION)
             Mw = W * dYx
-            same = (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
-            dsame += tl.sum(tl.where(same, CB * dYx, 0.0), axis=1)
+            dsame += tl.sum(tl.where(_same_step(offs_t, offs_s, STEP), CB * dYx, 0.0), axis=1)
         else:   # the SSD's order of products (its bits unchanged)
             if HAS_Z:
                 y += tl.dot((CB * L * delta_s[None, :]).to(dot_ty), xs, input_precision=DOT_PRECISION)

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
-from mambalab.kernels.ssd.chunk_scan import _gated_grad, _skip_weight
+from mambalab.kernels.ssd.chunk_scan import _gated_grad, _same_step, _skip_weight
 from mambalab.kernels.ssd.chunk_states import _head_block
 from mambalab.kernels.ssd.tiles import TileConfig
 
@@ -110,18 +110,16 @@ def state_sweep_fwd_kernel(
             y = tl.exp(cs_t)[:, None] * tl.dot(Ct, tl.trans(Hd), input_precision=DOT_PRECISION)   # (BT, BP)
             # the block's own columns, under the causal mask (applied to the exponent, before the exp)
             cb = tl.dot(Ct, tl.trans(Bt), input_precision=DOT_PRECISION)
+            causal = offs_t[:, None] >= offs_t[None, :]
+            L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
             if STEP > 0:
                 # the SSD's causal weights, then the step's own block overwritten with its γ (the same W as
                 # chunk_scan._intra_weights; this form, with fewer masks live, took MIMO r = 4's forward from
                 # 2.81 to 2.61 ms on an H200, session 13, call 8)
-                causal = offs_t[:, None] >= offs_t[None, :]
-                W = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf"))) * delta_t[None, :]
-                W = tl.where((offs_t // STEP)[:, None] == (offs_t // STEP)[None, :],
-                             tl.load(same_ptr + chunk + offs_t)[:, None], W)
+                W = tl.where(_same_step(offs_t, offs_t, STEP), tl.load(same_ptr + chunk + offs_t)[:, None],
+                             L * delta_t[None, :])
                 y += tl.dot((cb * W).to(dot_ty), xd, input_precision=DOT_PRECISION)
             else:
-                causal = offs_t[:, None] >= offs_t[None, :]
-                L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
                 y += tl.dot((cb * L * delta_t[None, :]).to(dot_ty), xd, input_precision=DOT_PRECISION)
             # earlier blocks of the chunk: every s < t
             for s0 in range(0, t0, BLOCK_T):
