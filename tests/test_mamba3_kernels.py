@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
-                                     rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
+                                     rank_outputs_bwd, rank_outputs_fwd,
                                      rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
+                                 mamba3_step_ref, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -258,32 +258,46 @@ def test_rank_outputs_kernel(r, z):
         rank_outputs_fwd(args[0], args[1], args[2], None if mimo else dev(rnd(h, r, p)))
 
 
-@pytest.mark.parametrize("r", [2, 4, 8])
-def test_rank_inputs_kernel(r):
-    """x_r = v ⊙ W^V_r in one pass against ref.rank_inputs, and its backward (dv summed over ranks, dW^V over
-    positions by per-block partials) against autograd through it. T = 150 positions: two blocks of 128, one
-    partial; p = 20 (a padded head); dx in bf16 is read as its fp32 values."""
-    T, h, p = 150, 3, 20
+@pytest.mark.parametrize("r, chunk, sweep", [(2, 8, False), (4, 4, True), (8, 2, False)])
+def test_scan_forms_rank_inputs_on_load(r, chunk, sweep):
+    """MIMO's rank inputs x_{t·r + i} = v_t ⊙ W^V_i, formed where the SSD kernels load them (the ``wv`` mode),
+    against the same scan given x in memory: the forward, the final state and dB, dC, dΔ-side gradients bit for
+    bit (the same x values enter the same sums), and dv = Σ_i dx_i ⊙ W^V_i, dW^V_i = Σ_t dx_i ⊙ v_t against
+    PyTorch's sums of the in-memory scan's dx. p = 20 (a padded head), 13 steps (a padded last chunk), D and
+    an initial state; the split steps and the forward sweep."""
+    import dataclasses
+
+    from mambalab.kernels.mamba3 import mamba3_scan_bwd, mamba3_scan_fwd
+    from mambalab.kernels.mamba3 import chunk_scan as scan_module
+
+    b, l, h, p, n = 2, 13, 3, 20, 16
     gen = torch.Generator().manual_seed(r)
-    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
-    v, wv = rnd(T, h, p).requires_grad_(True), rnd(h, r, p).requires_grad_(True)
-    want = rank_inputs(v, wv, r)                                                 # (T, r, h, p)
-    dx = rnd(*want.shape)
-    dv_want, dwv_want = torch.autograd.grad((want * dx).sum(), (v, wv))
-    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
-    assert_close(rank_inputs_fwd(dev(v), dev(wv)), want, "x", 1e-6)
-    dv, dwv = rank_inputs_bwd(dev(dx), dev(v), dev(wv))
-    assert dv.shape == v.shape and dwv.shape == wv.shape and dwv.dtype == torch.float32
-    assert_close(dv, dv_want, "dv", 1e-6)
-    assert_close(dwv, dwv_want, "dW^V", 1e-6)
-    if KERNEL_DEVICE != "cpu":   # the interpreter computes in fp32 whatever the dtype
-        low = dev(dx).bfloat16()
-        for g_, w in zip(rank_inputs_bwd(low, dev(v), dev(wv)), rank_inputs_bwd(low.float(), dev(v), dev(wv))):
-            assert torch.equal(g_, w)
-    with pytest.raises(ValueError, match=r"dx must have the forward's output shape \(T, r, h, p\)"):
-        rank_inputs_bwd(dev(dx)[:-1], dev(v), dev(wv))
-    with pytest.raises(ValueError, match=r"W\^V \(h, r, p\) fp32"):
-        rank_inputs_fwd(dev(v), dev(wv)[:, :, :-1])
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(KERNEL_DEVICE)
+    B, C = rnd(b, l * r, h, n), rnd(b, l * r, h, n)
+    v, wv = rnd(b, l, h, p), rnd(h, r, p)
+    adt = -torch.rand(b, l, h, generator=gen).to(KERNEL_DEVICE)
+    sigma, gamma = torch.rand(b, l, h, generator=gen).to(KERNEL_DEVICE), rnd(b, l, h)
+    D, init = rnd(h), rnd(b, h, p, n)
+    x = (v[:, :, None] * wv.transpose(0, 1)[None, None]).reshape(b, l * r, h, p).contiguous()   # (b, l·r, h, p)
+    dy = rnd(b, l * r, h, p)
+    rule = scan_module.tile_config
+    scan_module.tile_config = lambda *a, **k: dataclasses.replace(rule(*a, **k), sweep_forward=sweep)
+    try:
+        on_load = mamba3_scan_fwd(B, C, v, wv, adt, sigma, gamma, D, init, r, chunk)
+        in_memory = mamba3_scan_fwd(B, C, x, None, adt, sigma, gamma, D, init, r, chunk)
+    finally:
+        scan_module.tile_config = rule
+    assert torch.equal(on_load.y, in_memory.y) and torch.equal(on_load.final, in_memory.final)
+    got = mamba3_scan_bwd(dy, None, on_load, B, C, v, wv, D, l, r, True)
+    want = mamba3_scan_bwd(dy, None, in_memory, B, C, x, None, D, l, r, True)
+    for name in ("dB", "dC", "dadt", "dsigma", "dgamma", "dD", "dinitial"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert want.dwv is None and got.dv.shape == v.shape and got.dwv.shape == wv.shape
+    dx = want.dv.view(b, l, r, h, p).double()                                  # the in-memory scan's dx
+    assert_close(got.dv, torch.einsum("blrhp,hrp->blhp", dx, wv.double()), "dv", 1e-6)
+    assert_close(got.dwv, torch.einsum("blrhp,blhp->hrp", dx, v.double()), "dW^V", 1e-6)
+    with pytest.raises(ValueError, match=r"W\^V must be \(h, R, p\)"):
+        mamba3_scan_fwd(B, C, v, wv[:, :, :-1].contiguous(), adt, sigma, gamma, D, init, r, chunk)
 
 
 @pytest.mark.parametrize("r, p, n, a, D, z, init", [

@@ -3,11 +3,12 @@
 * :func:`mamba3_chunk_scan`: the exponential-trapezoidal, rotary, MIMO scan of :mod:`mambalab.ref.mamba3`
   (arguments of :func:`~mambalab.ref.mamba3.mamba3_chunked`), forward and backward. Triton does the heavy
   parts: the cumulative angle (:mod:`mambalab.kernels.mamba3.angle_cumsum`), the biased, rotated q̂ and k̂
-  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), MIMO's rank inputs v ⊙ W^V_r
-  (:mod:`mambalab.kernels.mamba3.rank_inputs`), the scan itself, run on the SSD kernels as a rank-expanded
-  SSD whose chunks give the step's own block the weight γ_t (:mod:`mambalab.kernels.mamba3.chunk_scan`: that
-  block is the reference's within-step correction, so the correction costs no kernel of its own, and D is
-  inside too), whose backward sums over programs through ``reduction``, and the output stage
+  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), the scan itself, run on the SSD
+  kernels as a rank-expanded SSD whose chunks give the step's own block the weight γ_t
+  (:mod:`mambalab.kernels.mamba3.chunk_scan`: that block is the reference's within-step correction, so the
+  correction costs no kernel of its own; D is inside too, and MIMO's rank inputs v ⊙ W^V_r are formed where
+  the SSD kernels load them, dv and dW^V handed back by its backward), whose backward sums over programs
+  through ``reduction``, and the output stage
   (:mod:`mambalab.kernels.mamba3.rank_outputs`: gate and Σ_r W^O). The step weights γ, σ are PyTorch around
   the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
@@ -88,7 +89,8 @@ class AngleFn(torch.autograd.Function):
 
 class Mamba3ScanFn(torch.autograd.Function):
     """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ in one
-    launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd` (the within-step correction and D inside), and
+    launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd` (the within-step correction, D and the rank
+    inputs v ⊙ W^V_r inside), and
     their backwards (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in
     one launch).
     One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
@@ -98,17 +100,18 @@ class Mamba3ScanFn(torch.autograd.Function):
     8.9 % for SISO; benchmarks/results/README.md.)
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
-    fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
-    initial (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, D x included, final (b, h, p, n)
-    fp32). The SSD's B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
+    fp32; v (b, l, h, p) in the kernels' dtype; wv (h, r, p) fp32 (MIMO) or None (SISO); adt, sigma, gamma
+    (b, l, h) fp32; D (h,) fp32 or None; initial (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in v's dtype,
+    D x included, final (b, h, p, n) fp32). The SSD's B = k̂ and C = q̂ are (b, l·r, h, n) in v's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, initial, r, chunk_size, reduction):
-        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
+    def forward(ctx, q, k, q_bias, k_bias, theta, v, wv, adt, sigma, gamma, D, initial, r, chunk_size, reduction):
+        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, v.dtype)   # one launch, (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
-        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r, chunk_size)
-        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, D, fwd.delta, fwd.cs, fwd.same, fwd.entering)
+        fwd = _kernels.mamba3_scan_fwd(B, C, v, wv, adt, sigma, gamma, D, initial, r, chunk_size)
+        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, v, wv, D, fwd.delta, fwd.cs, fwd.same,
+                              fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
@@ -116,32 +119,17 @@ class Mamba3ScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        q, k, q_bias, k_bias, theta, B, C, x, D, delta, cs, same, entering = ctx.saved_tensors
-        dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
+        q, k, q_bias, k_bias, theta, B, C, v, wv, D, delta, cs, same, entering = ctx.saved_tensors
+        b, l, h, p = v.shape
+        dy = (v.new_zeros(b, l * ctx.r, h, p) if dy is None else dy.to(v.dtype)).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, same, entering, ctx.tiles)
-        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, D, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
+        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, v, wv, D, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
                                                                    theta)   # dC, dB as they are
-        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dgamma, g.dD,
-                g.dinitial, None, None, None)
-
-
-class RankInputsFn(torch.autograd.Function):
-    """MIMO's rank inputs x_r = v ⊙ W^V_r: :func:`mambalab.kernels.mamba3.rank_inputs_fwd` / ``rank_inputs_bwd``
-    (dv and dW^V in one pass). v (T, h, p) contiguous in the kernels' dtype; wv (h, r, p) fp32 contiguous ->
-    x (T, r, h, p) in v's dtype."""
-
-    @staticmethod
-    def forward(ctx, v, wv):
-        ctx.save_for_backward(v, wv)
-        return _kernels.rank_inputs_fwd(v, wv)
-
-    @staticmethod
-    def backward(ctx, dx):
-        v, wv = ctx.saved_tensors
-        return _kernels.rank_inputs_bwd(dx.contiguous(), v, wv)
+        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dv, g.dwv, g.dadt, g.dsigma, g.dgamma,
+                g.dD, g.dinitial, None, None, None)
 
 
 class RankOutputsFn(torch.autograd.Function):
@@ -201,13 +189,12 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
     mimo = mimo_v is not None
     T = b * l
-    # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
-    v_rows = v.reshape(T, h, p).contiguous()                                  # (T, h, p)
-    x = RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p) if mimo else v_rows.view(b, l, h, p)
     # the within-step correction is inside the scan (the same step's block of the chunk takes γ_t: see
-    # kernels.mamba3.chunk_scan), and D x = D v ⊙ W^V_r too; the output stage is the gate and Σ_r W^O alone
+    # kernels.mamba3.chunk_scan), and so are the rank inputs x = v ⊙ W^V_r (formed where the kernels load v)
+    # and D x; the output stage is the gate and Σ_r W^O alone
     y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
-                                  x, adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
+                                  v.contiguous(), mimo_v.contiguous() if mimo else None,
+                                  adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
                                   None if D is None else D.contiguous(),
                                   None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction)
     if mimo or z is not None:

@@ -1,6 +1,6 @@
 """Mamba-3's chunked scan on the SSD kernels: the rank-expanded SSD, forward and backward.
 
-With q̂, k̂, v_r laid out rank by rank along the sequence (l·R positions j = t·R + r; see
+With q̂, k̂, v_r = v ⊙ W^V_r laid out rank by rank along the sequence (l·R positions j = t·R + r; see
 :mod:`mambalab.ref.mamba3`),
 
     Y_j = Σ_i W[j, i] (C_j · B_i) x_i + exp(cs_j) H̃_c C_j + D x_j                    (per chunk c)
@@ -8,7 +8,7 @@ With q̂, k̂, v_r laid out rank by rank along the sequence (l·R positions j = 
             = γ_{step(j)}                    step(i) = step(j)    (every pair of ranks of the step)
             = 0                              step(i) > step(j)
 
-with C = q̂, B = k̂, x = v_r and the decays of :mod:`mambalab.kernels.mamba3.rank_cumsum`: an SSD with
+with C = q̂, B = k̂, x_j = v_t ⊙ W^V_r and the decays of :mod:`mambalab.kernels.mamba3.rank_cumsum`: an SSD with
 Δ = σ whose own step's block gets the weight γ instead (the SSD kernels' ``step`` mode,
 :func:`mambalab.kernels.ssd.chunk_scan._intra_weights`). That block is where the exponential-trapezoidal
 rule's within-step terms live: the plain rank-expanded SSD would give rank pairs r' <= r the weight σ_t and
@@ -24,6 +24,11 @@ with step 0 replaced:
                               steps 1-3 (the tile rule's ``sweep_forward``). D per head (D x_j = D v ⊙ W^V_r);
                               no gate (the op's output stage applies it per rank)
 
+MIMO's rank inputs x_j are never in memory: the kernels read v (b, l, h, p) and W^V (h, R, p) and form x_j
+where they load it (the SSD kernels' ``wv`` mode, :func:`mambalab.kernels.ssd.chunk_scan._inputs`), and the
+columns kernel of the backward hands back dv_t = Σ_r dx_{t·R + r} ⊙ W^V_r and dW^V_r = Σ_t dx_{t·R + r} ⊙ v_t
+(per-program partials, folded in a fixed order) in place of dx. For SISO (no W^V) x is v itself.
+
 The backward runs the same sweep backwards (dS_c and da_c, with dH^out_c never in memory), the SSD's chunk
 backward (every sum over programs through ``reduction``: "deterministic" folds per-program partials with
 :func:`mambalab.kernels.reduce.sum_partials`; it also gives dγ per position) and then step 0's. B and C being
@@ -32,8 +37,8 @@ dtype (the rotary backward reads them next).
 Tiles: :func:`mambalab.kernels.ssd.tiles.tile_config` for (h, p, n, Q); a step's R positions never straddle
 a block (R divides every block size).
 
-Shapes: B, C (b, l·R, h, n) and x (b, l·R, h, p), contiguous, in the compute dtype; adt, sigma, gamma
-(b, l, h) fp32; D (h,) fp32 or None; initial (b, h, p, n) fp32 or None.
+Shapes: B, C (b, l·R, h, n) and v (b, l, h, p), contiguous, in the compute dtype; W^V (h, R, p) fp32 or None
+(R = 1); adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None; initial (b, h, p, n) fp32 or None.
 """
 from __future__ import annotations
 
@@ -48,17 +53,17 @@ from mambalab.kernels.ssd import TileConfig, chunk_scan_bwd, state_sweep_bwd, st
 
 
 class Mamba3ScanForward(NamedTuple):
-    y: torch.Tensor          # (b, l·R, h, p) in x's dtype
+    y: torch.Tensor          # (b, l·R, h, p) in v's dtype
     final: torch.Tensor      # (b, h, p, n) fp32: H after the last step
     delta: torch.Tensor      # (b, h, c, Q) fp32
     cs: torch.Tensor         # (b, h, c, Q) fp32
     same: torch.Tensor       # (b, h, c, Q) fp32: γ of each position's step
-    entering: torch.Tensor   # (b, c, h, p, n) in x's dtype (the dots'; kernels.ssd.state_passing)
+    entering: torch.Tensor   # (b, c, h, p, n) in v's dtype (the dots'; kernels.ssd.state_passing)
     tiles: TileConfig
 
 
 class Mamba3ScanGrads(NamedTuple):
-    dx: torch.Tensor         # (b, l·R, h, p) x's dtype
+    dv: torch.Tensor         # (b, l, h, p) v's dtype
     dB: torch.Tensor         # (b, l·R, h, n) x's dtype (deterministic) or fp32 (atomic)
     dC: torch.Tensor         # (b, l·R, h, n) likewise
     dadt: torch.Tensor       # (b, l, h) fp32
@@ -66,31 +71,32 @@ class Mamba3ScanGrads(NamedTuple):
     dgamma: torch.Tensor     # (b, l, h) fp32
     dD: torch.Tensor | None  # (h,) fp32
     dinitial: torch.Tensor | None
+    dwv: torch.Tensor | None  # (h, R, p) fp32, when W^V was given
 
 
 def _precision(x):
     return device.dot_precision(x.dtype, x.device)
 
 
-def mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r: int, chunk_size: int) -> Mamba3ScanForward:
+def mamba3_scan_fwd(B, C, v, wv, adt, sigma, gamma, D, initial, r: int, chunk_size: int) -> Mamba3ScanForward:
     """The forward on validated, contiguous tensors (module docstring)."""
-    h, p, n = x.shape[2], x.shape[3], B.shape[3]
-    cfg = tile_config(h, p, n, chunk_size * r, x.dtype)
+    h, p, n = v.shape[2], v.shape[3], B.shape[3]
+    cfg = tile_config(h, p, n, chunk_size * r, v.dtype)
     delta, cs, same = rank_cumsum_fwd(adt, sigma, gamma, r, chunk_size, cfg.block_h, cfg.num_warps)
-    y, entering, final, _ = steps_1_to_3(x, B, C, delta, cs, initial, D, None, cfg, _precision(x),
-                                         sweep=cfg.sweep_forward, same=same, step=r)
+    y, entering, final, _ = steps_1_to_3(v, B, C, delta, cs, initial, D, None, cfg, _precision(v),
+                                         sweep=cfg.sweep_forward, same=same, step=r, wv=wv)
     return Mamba3ScanForward(y, final, delta, cs, same, entering, cfg)
 
 
-def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, x, D, l: int, r: int, has_initial: bool,
+def mamba3_scan_bwd(dy, dfinal, fwd: Mamba3ScanForward, B, C, v, wv, D, l: int, r: int, has_initial: bool,
                     reduction: str = "deterministic") -> Mamba3ScanGrads:
-    """The backward from dy (b, l·R, h, p) contiguous in x's dtype and dfinal (b, h, p, n) fp32 or None."""
+    """The backward from dy (b, l·R, h, p) contiguous in v's dtype and dfinal (b, h, p, n) fp32 or None."""
     cfg = fwd.tiles
     dstates, dinit, da = state_sweep_bwd(dy, None, C, fwd.cs, fwd.entering, dfinal, has_initial, cfg, reduction,
-                                         _precision(x))
-    dx, _, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame = chunk_scan_bwd(
-        dy, x, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, D, None, cfg, reduction, _precision(x),
-        bc_dtype=x.dtype, same=fwd.same, step=r)   # fp32 wherever it sums over programs (atomic mode)
+                                         _precision(v))
+    dv, _, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame, dwv = chunk_scan_bwd(
+        dy, v, B, C, fwd.delta, fwd.cs, fwd.entering, dstates, D, None, cfg, reduction, _precision(v),
+        bc_dtype=v.dtype, same=fwd.same, step=r, wv=wv)   # fp32 wherever it sums over programs (atomic mode)
     dadt, dsigma, dgamma = rank_cumsum_bwd(ddelta, dcs_row, dcs_col, da, dws, dsame, l, r, cfg.block_h,
                                            cfg.num_warps)
-    return Mamba3ScanGrads(dx, dB, dC, dadt, dsigma, dgamma, dD, dinit)
+    return Mamba3ScanGrads(dv, dB, dC, dadt, dsigma, dgamma, dD, dinit, dwv)

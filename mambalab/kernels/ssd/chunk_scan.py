@@ -65,6 +65,40 @@ def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
 
 
 @triton.jit
+def _inputs(x_ptr, wv_ptr, row, offs, mask, head, h, p, offs_p, X_RANKS: tl.constexpr):
+    """The SSD's inputs x at rows ``row`` (BLOCK_T,) int64 of the flattened (b·l) axis, whose offsets in their
+    chunk are ``offs``, and head dimensions offs_p: a (BLOCK_T, BLOCK_P) tile in x's dtype, 0 where ``mask``
+    is False. X_RANKS = 0: loaded from x (b, l, h, p). X_RANKS = R > 0 (Mamba-3's MIMO, R ranks a step):
+    x_ptr holds v (b, l / R, h, p) and wv_ptr W^V (h, R, p) fp32, and
+
+        x_j = v_{j // R} ⊙ W^V_{j mod R}          (rank j mod R of step j // R; chunks start on a step)
+
+    is formed here in fp32 and rounded once to v's dtype, as :mod:`mambalab.ref.mamba3`'s rank inputs are, so
+    the rank-expanded inputs (b, l, h, p) never reach memory; a step's R rows read one row of v."""
+    if X_RANKS > 0:
+        v = tl.load(x_ptr + ((row // X_RANKS)[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0)
+        w = tl.load(wv_ptr + (head * X_RANKS + offs % X_RANKS)[:, None] * p + offs_p[None, :], mask=mask,
+                    other=0.0)
+        x = (v.to(tl.float32) * w).to(x_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + (row[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0)
+    return x
+
+
+def rank_expanded(x, wv):
+    """The sizes the kernels see: (b, l, h, p, X_RANKS) from x (b, l, h, p), or, with W^V ``wv`` (h, R, p)
+    (Mamba-3's MIMO, :func:`_inputs`), from v (b, l / R, h, p): l · R positions and X_RANKS = R."""
+    b, l, h, p = x.shape
+    if wv is None:
+        return b, l, h, p, 0
+    r = wv.shape[1]
+    if wv.shape != (h, r, p) or wv.dtype != torch.float32:
+        raise ValueError(f"W^V must be (h, R, p) = ({h}, R, {p}) fp32 for v {tuple(x.shape)}; got "
+                         f"{tuple(wv.shape)} {wv.dtype}")
+    return b, l * r, h, p, r
+
+
+@triton.jit
 def _same_step(offs_t, offs_s, STEP: tl.constexpr):
     """Rows t × columns s (BLOCK_T × BLOCK_T): whether t and s are positions of one step (STEP positions a step)."""
     return (offs_t // STEP)[:, None] == (offs_s // STEP)[None, :]
@@ -96,7 +130,8 @@ def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constex
 
 @triton.jit
 def chunk_scan_fwd_kernel(
-    x_ptr,            # (b, l, h, p) inputs
+    x_ptr,            # (b, l, h, p) inputs, or v (b, l / X_RANKS, h, p) (_inputs)
+    wv_ptr,           # (h, X_RANKS, p) fp32 W^V (X_RANKS > 0), or a dummy
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
@@ -108,6 +143,7 @@ def chunk_scan_fwd_kernel(
     same_ptr,         # (b, h, c, q) fp32 the same-step weight at each position (STEP > 0), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks; _intra_weights), 0: plain SSD
+    X_RANKS: tl.constexpr,           # x formed from v and W^V (_inputs), 0: x itself
     HAS_D: tl.constexpr,
     D_PER_DIM: tl.constexpr,         # D is (h, p) rather than (h,)
     HAS_Z: tl.constexpr,
@@ -168,14 +204,14 @@ def chunk_scan_fwd_kernel(
             scores = cb * W
         else:
             scores = cb * L * delta_s[None, :]            # the SSD's order of products (its bits unchanged)
-        xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
-                     mask=mask_s[:, None] & mask_p[None, :], other=0.0)              # (BLOCK_T, BLOCK_P)
+        xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
+                     X_RANKS)                                                        # (BLOCK_T, BLOCK_P)
         y += tl.dot(scores.to(dot_ty), xs.to(dot_ty), input_precision=DOT_PRECISION)
 
     mask_tp = mask_t[:, None] & mask_p[None, :]
     x_ptrs = (row_t[:, None] * h + head) * p + offs_p[None, :]                       # (BLOCK_T, BLOCK_P)
-    x = tl.load(x_ptr + x_ptrs, mask=mask_tp, other=0.0)
     if HAS_D:
+        x = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, X_RANKS)
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x.to(tl.float32) * Dv
     if HAS_Z:
@@ -185,20 +221,20 @@ def chunk_scan_fwd_kernel(
 
 
 def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee", same=None,
-                   step: int = 0):
+                   step: int = 0, wv=None):
     """Launch step 3. x, z (b, l, h, p) and B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32;
     entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None; with ``step`` > 0 positions a
-    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`). Returns out
-    (b, l, h, p), x's dtype."""
-    b, l, h, p = x.shape
+    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`); with ``wv`` (h, R, p)
+    fp32, x is v (b, l / R, h, p) (:func:`_inputs`). Returns out (b, l, h, p), x's dtype."""
+    b, l, h, p, x_ranks = rank_expanded(x, wv)
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
-    out = torch.empty_like(x)
+    out = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     grid = (b, c, h * (q // cfg.block_t) * triton.cdiv(p, cfg.block_p))
     chunk_scan_fwd_kernel[grid](
-        x, B, C, delta, cs, entering,
+        x, wv if wv is not None else x, B, C, delta, cs, entering,
         D if D is not None else x, z if z is not None else x, out, same if step else delta,
-        h, p, n, l, g, c, STEP=step,
+        h, p, n, l, g, c, STEP=step, X_RANKS=x_ranks,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps,
@@ -261,7 +297,8 @@ def _block_program(h, p, n, g, c, Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_
 
 @triton.jit
 def chunk_scan_bwd_rows_kernel(
-    x_ptr,            # (b, l, h, p)
+    x_ptr,            # (b, l, h, p), or v (b, l / X_RANKS, h, p) (_inputs)
+    wv_ptr,           # (h, X_RANKS, p) fp32 W^V (X_RANKS > 0), or a dummy
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
@@ -278,7 +315,7 @@ def chunk_scan_bwd_rows_kernel(
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     dsame_ptr,        # (b, h, c, q) fp32 out: their gradient (STEP > 0), or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
-    STEP: tl.constexpr,
+    STEP: tl.constexpr, X_RANKS: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -317,8 +354,8 @@ def chunk_scan_bwd_rows_kernel(
         offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
         Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
-        xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
-                     mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
+        xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
+                     X_RANKS).to(dot_ty)
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)
@@ -344,7 +381,7 @@ def chunk_scan_bwd_rows_kernel(
         tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC.to(dC_ptr.dtype.element_ty),
                  mask=mask_tn)
     if HAS_D or HAS_Z:
-        x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        x_t = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, X_RANKS).to(tl.float32)
     if HAS_D:
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x_t * Dv
@@ -367,8 +404,36 @@ def chunk_scan_bwd_rows_kernel(
 
 
 @triton.jit
+def _input_grads(dx, v_ptr, wv_ptr, dv_ptr, dwv_ptr, pid_b, pid_c, s0, l, c, head, h, p, offs_p, mask_p,
+                 R: tl.constexpr, Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The columns kernel's dx (BLOCK_T, BLOCK_P) fp32, positions s0 … of the chunk, taken back through
+    :func:`_inputs`' x_j = v_{j // R} ⊙ W^V_{j mod R} (R ranks a step, a step's R positions in the block):
+
+        dv_t    = Σ_r dx_{t·R + r} ⊙ W^V_r      stored per step, rounded once to v's dtype
+        dW^V_r += Σ_t dx_{t·R + r} ⊙ v_t        this program's partial, summed over its steps
+
+    (dW^V's partials sit at slot (batch row, chunk, block), folded afterwards in a fixed order)."""
+    steps = tl.arange(0, BLOCK_T // R)
+    pos = pid_c * Q + s0 + steps * R                                               # each step's first rank
+    mask_v = (pos < l)[:, None] & mask_p[None, :]                                  # (BLOCK_T / R, BLOCK_P)
+    v_rows = ((pid_b * l + pos) // R).to(tl.int64)
+    v = tl.load(v_ptr + (v_rows[:, None] * h + head) * p + offs_p[None, :], mask=mask_v, other=0.0).to(tl.float32)
+    ranks = tl.arange(0, R)
+    mask_w = (ranks < R)[:, None] & mask_p[None, :]
+    w = tl.load(wv_ptr + (head * R + ranks)[:, None] * p + offs_p[None, :], mask=mask_w, other=0.0)   # (R, BP)
+    dx3 = tl.reshape(dx, (BLOCK_T // R, R, BLOCK_P))                               # steps, ranks, dims
+    dv = tl.sum(dx3 * w[None, :, :], axis=1)
+    tl.store(dv_ptr + (v_rows[:, None] * h + head) * p + offs_p[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=mask_v)
+    slot = ((pid_b * c + pid_c) * (Q // BLOCK_T) + s0 // BLOCK_T).to(tl.int64)
+    dwv = tl.sum(dx3 * v[:, None, :], axis=0)                                      # (R, BP)
+    tl.store(dwv_ptr + ((slot * h + head) * R + ranks)[:, None] * p + offs_p[None, :], dwv, mask=mask_w)
+
+
+@triton.jit
 def chunk_scan_bwd_columns_kernel(
-    x_ptr,            # (b, l, h, p)
+    x_ptr,            # (b, l, h, p), or v (b, l / X_RANKS, h, p) (_inputs)
+    wv_ptr,           # (h, X_RANKS, p) fp32 W^V (X_RANKS > 0), or a dummy
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
@@ -377,14 +442,15 @@ def chunk_scan_bwd_columns_kernel(
     D_ptr,            # (h,) or (h, p), or a dummy
     z_ptr,            # (b, l, h, p), or a dummy
     dout_ptr,         # (b, l, h, p)
-    dx_ptr,           # (b, l, h, p) out, x's dtype
+    dx_ptr,           # (b, l, h, p) out, x's dtype; X_RANKS > 0: dv (b, l / X_RANKS, h, p) in v's dtype
+    dwv_ptr,          # (b·c·q/BLOCK_T, h, X_RANKS, p) fp32 out: dW^V's partials (X_RANKS > 0), or a dummy
     dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head, as dC
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     h, p, n, l, g, c,
-    STEP: tl.constexpr,
+    STEP: tl.constexpr, X_RANKS: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -400,7 +466,7 @@ def chunk_scan_bwd_columns_kernel(
     mask_sp = mask_s[:, None] & mask_p[None, :]
     mask_sn = mask_s[:, None] & mask_n[None, :]
     Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], mask=mask_sn, other=0.0).to(dot_ty)
-    xs = tl.load(x_ptr + sp, mask=mask_sp, other=0.0)
+    xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_sp, head, h, p, offs_p, X_RANKS)
     xs_dot = xs.to(dot_ty)
     cs_s = tl.load(cs_ptr + chunk + offs_s)
     delta_s = tl.load(delta_ptr + chunk + offs_s)
@@ -442,7 +508,11 @@ def chunk_scan_bwd_columns_kernel(
     if HAS_D:
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
-    tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
+    if X_RANKS > 0:
+        _input_grads(dx, x_ptr, wv_ptr, dx_ptr, dwv_ptr, pid_b, pid_c, s0, l, c, head, h, p, offs_p, mask_p,
+                     X_RANKS, Q, BLOCK_T, BLOCK_P)
+    else:
+        tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
     if REDUCE_ATOMIC:
         tl.atomic_add(dB_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], dB, mask=mask_sn)
     else:
@@ -454,15 +524,18 @@ def chunk_scan_bwd_columns_kernel(
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0):
+                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0,
+                   wv=None):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
     dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
     (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
     (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``. With
     ``step`` > 0 positions a step and their same-step weights ``same`` (b, h, c, q) fp32 (:func:`_intra_weights`),
-    also their gradient dsame (b, h, c, q) fp32, returned last."""
-    b, l, h, p = x.shape
+    then their gradient dsame (b, h, c, q) fp32 and dW^V, returned last. With ``wv`` (h, R, p) fp32, x is v
+    (b, l / R, h, p) (:func:`_inputs`): dx is then dv (v's shape and dtype) and dW^V (h, R, p) fp32 (else
+    None)."""
+    b, l, h, p, x_ranks = rank_expanded(x, wv)
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     block_t = cfg.backward_block_t
@@ -471,7 +544,8 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     n_tblocks = q // block_t
     atomic = reduction == "atomic"
     f32 = dict(device=x.device, dtype=torch.float32)
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x)                                                  # dv when x is v
+    dwv = torch.empty(b * c * n_tblocks, h, x_ranks, p, **f32) if x_ranks else None
     dz = torch.empty_like(z) if z is not None else None
     bc_shape = (b, l, g, n) if atomic else (b, l, h, n)
     bc = dict(f32, dtype=bc_dtype) if g == h and not atomic else f32
@@ -490,17 +564,17 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     flags = dict(HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
                  DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps)
-    D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
+    D_arg, z_arg, wv_arg = (D if D is not None else x), (z if z is not None else x), (wv if x_ranks else x)
     chunk_scan_bwd_rows_kernel[grid](
-        x, B, C, delta, cs, entering, D_arg, z_arg, dout,
+        x, wv_arg, B, C, delta, cs, entering, D_arg, z_arg, dout,
         dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
         same if step else delta, dsame if step else delta,
-        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, **flags,
+        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, X_RANKS=x_ranks, **flags,
     )
     chunk_scan_bwd_columns_kernel[grid](
-        x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
-        dx, dB, ddelta, dcs_col, dws, same if step else delta,
-        h, p, n, l, g, c, STEP=step, **flags,
+        x, wv_arg, B, C, delta, cs, dstates, D_arg, z_arg, dout,
+        dx, dwv if x_ranks else dx, dB, ddelta, dcs_col, dws, same if step else delta,
+        h, p, n, l, g, c, STEP=step, X_RANKS=x_ranks, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)
@@ -510,5 +584,6 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
             dD = sum_partials(dD, dim=1)
         dD = dD.view(D.shape)
     if step:
-        return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame
+        return (dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame,
+                None if dwv is None else sum_partials(dwv, dim=0))
     return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws

@@ -48,14 +48,15 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
-from mambalab.kernels.ssd.chunk_scan import _gated_grad, _same_step, _skip_weight
+from mambalab.kernels.ssd.chunk_scan import _gated_grad, _inputs, _same_step, _skip_weight, rank_expanded
 from mambalab.kernels.ssd.chunk_states import _head_block
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
 @triton.jit
 def state_sweep_fwd_kernel(
-    x_ptr,            # (b, l, h, p) inputs
+    x_ptr,            # (b, l, h, p) inputs, or v (b, l / X_RANKS, h, p) (chunk_scan._inputs)
+    wv_ptr,           # (h, X_RANKS, p) fp32 W^V (X_RANKS > 0), or a dummy
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
@@ -69,6 +70,7 @@ def state_sweep_fwd_kernel(
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0; chunk_scan._intra_weights), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks), 0: plain SSD
+    X_RANKS: tl.constexpr,           # x formed from v and W^V (chunk_scan._inputs), 0: x itself
     HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_T: tl.constexpr,           # chunk positions per block (divides Q)
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -103,7 +105,7 @@ def state_sweep_fwd_kernel(
             mask_tp = mask_t[:, None] & mask_p[None, :]
             Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
             Bt = tl.load(B_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
-            xt = tl.load(x_ptr + tp, mask=mask_tp, other=0.0)
+            xt = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, X_RANKS)
             cs_t = tl.load(cs_ptr + chunk + offs_t)
             delta_t = tl.load(delta_ptr + chunk + offs_t)
             Ct, Bt, xd = Ct.to(dot_ty), Bt.to(dot_ty), xt.to(dot_ty)
@@ -128,8 +130,8 @@ def state_sweep_fwd_kernel(
                 row_s = (pid_b * l + ci * Q + offs_s).to(tl.int64)
                 Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
                              mask=mask_s[:, None] & (offs_n < n)[None, :], other=0.0).to(dot_ty)
-                xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
-                             mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
+                xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
+                             X_RANKS).to(dot_ty)
                 cs_s = tl.load(cs_ptr + chunk + offs_s)
                 delta_s = tl.load(delta_ptr + chunk + offs_s)
                 w = tl.exp(cs_t[:, None] - cs_s[None, :]) * delta_s[None, :]          # s < t: exponent ≤ 0
@@ -149,22 +151,23 @@ def state_sweep_fwd_kernel(
 
 
 def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str = "ieee",
-                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0):
+                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0, wv=None):
     """Launch steps 1-3 as one sweep. x, z (b, l, h, p), B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q)
-    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None. ``block_p`` and
-    ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (b, l, h, p) and
+    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None; with ``wv``
+    (h, R, p) fp32, x is v (b, l / R, h, p) (:func:`~mambalab.kernels.ssd.chunk_scan._inputs`). ``block_p``
+    and ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (b, l, h, p) and
     entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32)."""
-    b, l, h, p = x.shape
+    b, l, h, p, x_ranks = rank_expanded(x, wv)
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     block_p = block_p or cfg.block_p
-    out = torch.empty_like(x)
+    out = torch.empty(b, l, h, p, device=x.device, dtype=x.dtype)
     entering = torch.empty(b, c, h, p, n, device=x.device, dtype=x.dtype)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     state_sweep_fwd_kernel[(b, h * triton.cdiv(p, block_p))](
-        x, B, C, delta, cs, initial if initial is not None else final,
+        x, wv if x_ranks else x, B, C, delta, cs, initial if initial is not None else final,
         D if D is not None else x, z if z is not None else x, out, entering, final,
-        same if step else delta, h, p, n, l, g, c, STEP=step,
+        same if step else delta, h, p, n, l, g, c, STEP=step, X_RANKS=x_ranks,
         HAS_INIT=initial is not None, HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2,
         HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q,
         DOT_PRECISION=dot_precision, num_warps=num_warps or cfg.num_warps,
