@@ -11,11 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cumsum_bwd, rank_cumsum_fwd,
+                                     rank_inputs_bwd, rank_inputs_fwd, rank_outputs_bwd, rank_outputs_fwd,
                                      rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_outputs, zero_state)
+                                 mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -227,67 +228,62 @@ def test_rotary_qk_kernel(r, g, h, n, a, b, l, rank_programs, monkeypatch):
         assert torch.equal(g_, w)
 
 
-@pytest.mark.parametrize("r, chunk, sweep, gate", [(2, 8, False, True), (4, 4, True, True), (4, 4, False, False),
-                                                   (8, 2, False, True)])
-def test_scan_rank_mode_matches_stages_in_memory(r, chunk, sweep, gate):
-    """The SSD kernels' rank mode (MIMO: x_j = v_t ⊙ W^V_r formed where the kernels load it, the output stage
-    out_t = Σ_r W^O_r ⊙ Y_j ⊙ silu(z_t ⊙ W^Z_r) where they store, d out_t ⊙ W^O_r where they load it) against
-    the same scan with the rank inputs x in memory and no gate, followed by ref.rank_outputs in fp64 with
-    autograd: the forward and final state, and every gradient (dv = Σ_r dx_r ⊙ W^V_r, dW^V = Σ_t dx_r ⊙ v_t from
-    the in-memory scan's dx). p = 20 (a padded head), 13 steps (a padded last chunk), D and an initial state;
-    the split steps and the forward sweep."""
-    import dataclasses
-
-    from mambalab.kernels.mamba3 import mamba3_scan_bwd, mamba3_scan_fwd
-    from mambalab.kernels.mamba3 import chunk_scan as scan_module
-    from mambalab.kernels.ssd.chunk_scan import RankWeights
-
-    b, l, h, p, n = 2, 13, 3, 20, 16
-    gen = torch.Generator().manual_seed(r + 10 * gate)
-    rnd = lambda *s: torch.randn(*s, generator=gen).to(KERNEL_DEVICE)
-    B, C = rnd(b, l * r, h, n), rnd(b, l * r, h, n)
-    v, z = rnd(b, l, h, p), rnd(b, l, h, p) if gate else None
-    mimo = RankWeights(rnd(h, r, p), rnd(h, r, p) if gate else None, rnd(h, r, p))
-    adt = -torch.rand(b, l, h, generator=gen).to(KERNEL_DEVICE)
-    sigma, gamma = torch.rand(b, l, h, generator=gen).to(KERNEL_DEVICE), rnd(b, l, h)
-    D, init = rnd(h), rnd(b, h, p, n)
-    x = (v[:, :, None] * mimo.wv.transpose(0, 1)[None, None]).reshape(b, l * r, h, p).contiguous()   # (b, l·r, h, p)
-    dout = rnd(b, l, h, p)
-    rule = scan_module.tile_config
-    scan_module.tile_config = lambda *a, **k: dataclasses.replace(rule(*a, **k), sweep_forward=sweep)
-    try:
-        ranked = mamba3_scan_fwd(B, C, v, z, mimo, adt, sigma, gamma, D, init, r, chunk)
-        in_memory = mamba3_scan_fwd(B, C, x, None, None, adt, sigma, gamma, D, init, r, chunk)
-    finally:
-        scan_module.tile_config = rule
-    # the output stage in fp64 on the in-memory scan's Y, with autograd for its gradients
-    f64 = lambda t: None if t is None else t.detach().double().cpu().requires_grad_(True)
-    y, zz, wz, wo = f64(in_memory.out.view(b, l, r, h, p)), f64(z), f64(mimo.wz), f64(mimo.wo)
+@pytest.mark.parametrize("r, z", [(1, True), (4, True), (4, False), (2, True), (2, False)])
+def test_rank_outputs_kernel(r, z):
+    """The fused output stage against autograd through the PyTorch formula (ref.rank_outputs without D),
+    forward and every gradient (W^Z, W^O included). T = 37 positions: two blocks, one partial; p = 20 (a padded
+    head)."""
+    T, h, p = 37, 3, 20
+    gen = torch.Generator().manual_seed(r + 2 * z)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    mimo = r > 1
+    y = rnd(T, r, h, p)
+    zz = rnd(T, h, p) if z else None
+    wz = rnd(h, r, p) if mimo and z else None
+    wo = rnd(h, r, p) if mimo else None
+    given = dict(y=y, z=zz, wz=wz, wo=wo)
+    inputs = {k: t.requires_grad_(True) for k, t in given.items() if t is not None}
     want = rank_outputs(y, torch.zeros_like(y), None, zz, wz, wo)
-    assert ranked.out.shape == (b, l, h, p)
-    assert_close(ranked.out, want, "out", 1e-5)
-    assert torch.equal(ranked.final, in_memory.final)
-    stage = [t for t in (y, zz, wz, wo) if t is not None]
-    d_stage = dict(zip(("y", "z", "wz", "wo") if gate else ("y", "wo"),
-                       torch.autograd.grad((want * dout.double().cpu()).sum(), stage)))
-    got = mamba3_scan_bwd(dout, None, ranked, B, C, v, z, mimo, D, l, r, True)
-    dy = d_stage["y"].float().reshape(b, l * r, h, p).contiguous().to(KERNEL_DEVICE)
-    ref = mamba3_scan_bwd(dy, None, in_memory, B, C, x, None, None, D, l, r, True)
-    for name in ("dB", "dC", "dadt", "dsigma", "dgamma", "dD", "dinitial"):
-        assert_close(getattr(got, name), getattr(ref, name), name, 1e-5)
-    assert ref.dmimo is None and got.dv.shape == v.shape
-    dx = ref.dv.view(b, l, r, h, p).double()                                   # the in-memory scan's dx
-    assert_close(got.dv, torch.einsum("blrhp,hrp->blhp", dx, mimo.wv.double()), "dv", 1e-5)
-    assert_close(got.dmimo.wv, torch.einsum("blrhp,blhp->hrp", dx, v.double()), "dW^V", 1e-5)
-    assert_close(got.dmimo.wo, d_stage["wo"], "dW^O", 1e-5)
-    if gate:
-        assert_close(got.dz, d_stage["z"], "dz", 1e-5)
-        assert_close(got.dmimo.wz, d_stage["wz"], "dW^Z", 1e-5)
-    else:
-        assert got.dz is None and got.dmimo.wz is None
-    with pytest.raises(ValueError, match=r"W\^O must be \(h, R, p\)"):
-        mamba3_scan_fwd(B, C, v, z, mimo._replace(wo=mimo.wo[:, :, :-1].contiguous()), adt, sigma, gamma, D, init, r,
-                        chunk)
+    dout = rnd(T, h, p)
+    grads = dict(zip(inputs, torch.autograd.grad((want * dout).sum(), list(inputs.values()))))
+    dev = lambda t: None if t is None else t.detach().float().contiguous().to(KERNEL_DEVICE)
+    args = [dev(given[k]) for k in ("y", "z", "wz", "wo")]
+    assert_close(rank_outputs_fwd(*args), want, "out", 1e-5)
+    got = dict(zip(("y", "z", "wz", "wo"), rank_outputs_bwd(dev(dout), *args)))
+    assert sorted(k for k, g in got.items() if g is not None) == sorted(inputs)
+    for name, want_grad in grads.items():
+        assert got[name].shape == given[name].shape, name
+        assert_close(got[name], want_grad, f"d{name}", 1e-5)
+    with pytest.raises(ValueError, match="W\\^O exactly when r > 1"):
+        rank_outputs_fwd(args[0], args[1], args[2], None if mimo else dev(rnd(h, r, p)))
+
+
+@pytest.mark.parametrize("r", [2, 4, 8])
+def test_rank_inputs_kernel(r):
+    """x_r = v ⊙ W^V_r in one pass against ref.rank_inputs, and its backward (dv summed over ranks, dW^V over
+    positions by per-block partials) against autograd through it. T = 150 positions: two blocks of 128, one
+    partial; p = 20 (a padded head); dx in bf16 is read as its fp32 values."""
+    T, h, p = 150, 3, 20
+    gen = torch.Generator().manual_seed(r)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
+    v, wv = rnd(T, h, p).requires_grad_(True), rnd(h, r, p).requires_grad_(True)
+    want = rank_inputs(v, wv, r)                                                 # (T, r, h, p)
+    dx = rnd(*want.shape)
+    dv_want, dwv_want = torch.autograd.grad((want * dx).sum(), (v, wv))
+    dev = lambda t: t.detach().float().contiguous().to(KERNEL_DEVICE)
+    assert_close(rank_inputs_fwd(dev(v), dev(wv)), want, "x", 1e-6)
+    dv, dwv = rank_inputs_bwd(dev(dx), dev(v), dev(wv))
+    assert dv.shape == v.shape and dwv.shape == wv.shape and dwv.dtype == torch.float32
+    assert_close(dv, dv_want, "dv", 1e-6)
+    assert_close(dwv, dwv_want, "dW^V", 1e-6)
+    if KERNEL_DEVICE != "cpu":   # the interpreter computes in fp32 whatever the dtype
+        low = dev(dx).bfloat16()
+        for g_, w in zip(rank_inputs_bwd(low, dev(v), dev(wv)), rank_inputs_bwd(low.float(), dev(v), dev(wv))):
+            assert torch.equal(g_, w)
+    with pytest.raises(ValueError, match=r"dx must have the forward's output shape \(T, r, h, p\)"):
+        rank_inputs_bwd(dev(dx)[:-1], dev(v), dev(wv))
+    with pytest.raises(ValueError, match=r"W\^V \(h, r, p\) fp32"):
+        rank_inputs_fwd(dev(v), dev(wv)[:, :, :-1])
 
 
 @pytest.mark.parametrize("r, p, n, a, D, z, init", [

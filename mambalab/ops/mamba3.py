@@ -3,14 +3,13 @@
 * :func:`mamba3_chunk_scan`: the exponential-trapezoidal, rotary, MIMO scan of :mod:`mambalab.ref.mamba3`
   (arguments of :func:`~mambalab.ref.mamba3.mamba3_chunked`), forward and backward. Triton does the heavy
   parts: the cumulative angle (:mod:`mambalab.kernels.mamba3.angle_cumsum`), the biased, rotated q̂ and k̂
-  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), the scan itself, run on the SSD
-  kernels as a rank-expanded SSD whose chunks give the step's own block the weight γ_t
-  (:mod:`mambalab.kernels.mamba3.chunk_scan`: that block is the reference's within-step correction, so the
-  correction costs no kernel of its own; D, MIMO's rank inputs v ⊙ W^V_r and the output stage, gate and
-  Σ_r W^O, are inside too: the SSD kernels' rank mode forms a rank's input, gate and d out where they load
-  them and sums a step's ranks where they store), whose backward sums over programs through ``reduction``.
-  The step weights γ, σ are PyTorch around the kernels, differentiated by autograd (no atomics, no
-  index_add).
+  (:mod:`mambalab.kernels.mamba3.rotary`, both in one launch each way), MIMO's rank inputs v ⊙ W^V_r
+  (:mod:`mambalab.kernels.mamba3.rank_inputs`), the scan itself, run on the SSD kernels as a rank-expanded
+  SSD whose chunks give the step's own block the weight γ_t (:mod:`mambalab.kernels.mamba3.chunk_scan`: that
+  block is the reference's within-step correction, so the correction costs no kernel of its own, and D is
+  inside too), whose backward sums over programs through ``reduction``, and the output stage
+  (:mod:`mambalab.kernels.mamba3.rank_outputs`: gate and Σ_r W^O). The step weights γ, σ are PyTorch around
+  the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
@@ -26,7 +25,6 @@ import torch
 from mambalab import device as _device
 from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
-from mambalab.kernels.ssd.chunk_scan import RankWeights
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs,
                                  entering_state, step_weights)
@@ -90,9 +88,9 @@ class AngleFn(torch.autograd.Function):
 
 class Mamba3ScanFn(torch.autograd.Function):
     """q̂, k̂ and the rank-expanded SSD over them: :func:`mambalab.kernels.mamba3.rotary_qk_fwd` (q̂, k̂ in one
-    launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd` (the within-step correction, D, MIMO's rank
-    inputs and the output stage, gate and Σ_r W^O, inside), and their backwards
-    (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in one launch).
+    launch) and :func:`~mambalab.kernels.mamba3.mamba3_scan_fwd` (the within-step correction and D inside), and
+    their backwards (:func:`~mambalab.kernels.mamba3.rotary_qk_bwd`: dq, dk, both biases' gradients and dθ in
+    one launch).
     One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
     kernels' dtype (bf16 on a GPU), each program's fp32 tile rounded once, in the default deterministic mode;
     fp32 in the atomic mode. (Session 11, H200: bf16 took MIMO r = 4 from 9.85 to 9.01 ms and SISO from 2.47
@@ -100,41 +98,65 @@ class Mamba3ScanFn(torch.autograd.Function):
     8.9 % for SISO; benchmarks/results/README.md.)
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
-    fp32; v, z (b, l, h, p) in the kernels' dtype (z or None); wv, wz, wo (h, r, p) fp32 (MIMO; wz None without
-    z) or None (SISO); adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None; initial (b, h, p, n) fp32 or
-    None -> (out (b, l, h, p) in v's dtype, final (b, h, p, n) fp32). The SSD's B = k̂ and C = q̂ are
-    (b, l·r, h, n) in v's dtype.
+    fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
+    initial (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, D x included, final (b, h, p, n)
+    fp32). The SSD's B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, q_bias, k_bias, theta, v, z, wv, wz, wo, adt, sigma, gamma, D, initial, r, chunk_size,
-                reduction):
-        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, v.dtype)   # one launch, (b, l, r, h, n)
+    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, initial, r, chunk_size, reduction):
+        q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
-        mimo = None if wv is None else RankWeights(wv, wz, wo)
-        fwd = _kernels.mamba3_scan_fwd(B, C, v, z, mimo, adt, sigma, gamma, D, initial, r, chunk_size)
-        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, v, z, wv, wz, wo, D, fwd.delta, fwd.cs, fwd.same,
-                              fwd.entering)
+        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r, chunk_size)
+        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, D, fwd.delta, fwd.cs, fwd.same, fwd.entering)
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
-        return fwd.out, fwd.final
+        return fwd.y, fwd.final
 
     @staticmethod
-    def backward(ctx, dout, dfinal):
-        q, k, q_bias, k_bias, theta, B, C, v, z, wv, wz, wo, D, delta, cs, same, entering = ctx.saved_tensors
-        dout = (torch.zeros_like(v) if dout is None else dout.to(v.dtype)).contiguous()
+    def backward(ctx, dy, dfinal):
+        q, k, q_bias, k_bias, theta, B, C, x, D, delta, cs, same, entering = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
         dfinal = None if dfinal is None else dfinal.float().contiguous()
         fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, same, entering, ctx.tiles)
-        mimo = None if wv is None else RankWeights(wv, wz, wo)
-        g = _kernels.mamba3_scan_bwd(dout, dfinal, fwd, B, C, v, z, mimo, D, ctx.l, ctx.r, ctx.has_init,
-                                     ctx.reduction)
+        g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, D, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
                                                                    theta)   # dC, dB as they are
-        dw = (None, None, None) if g.dmimo is None else g.dmimo
-        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dv, g.dz, *dw, g.dadt, g.dsigma,
-                g.dgamma, g.dD, g.dinitial, None, None, None)
+        return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dgamma, g.dD,
+                g.dinitial, None, None, None)
+
+
+class RankInputsFn(torch.autograd.Function):
+    """MIMO's rank inputs x_r = v ⊙ W^V_r: :func:`mambalab.kernels.mamba3.rank_inputs_fwd` / ``rank_inputs_bwd``
+    (dv and dW^V in one pass). v (T, h, p) contiguous in the kernels' dtype; wv (h, r, p) fp32 contiguous ->
+    x (T, r, h, p) in v's dtype."""
+
+    @staticmethod
+    def forward(ctx, v, wv):
+        ctx.save_for_backward(v, wv)
+        return _kernels.rank_inputs_fwd(v, wv)
+
+    @staticmethod
+    def backward(ctx, dx):
+        v, wv = ctx.saved_tensors
+        return _kernels.rank_inputs_bwd(dx.contiguous(), v, wv)
+
+
+class RankOutputsFn(torch.autograd.Function):
+    """out = Σ_r W^O_r ⊙ y_r ⊙ silu(z ⊙ W^Z_r) (SISO: y ⊙ silu(z)): :func:`mambalab.kernels.mamba3.rank_outputs_fwd`
+    / ``rank_outputs_bwd``. y (T, r, h, p); z (T, h, p) or None; wz, wo (h, r, p) fp32 or None -> out (T, h, p)
+    in y's dtype."""
+
+    @staticmethod
+    def forward(ctx, y, z, wz, wo):
+        ctx.save_for_backward(y, z, wz, wo)
+        return _kernels.rank_outputs_fwd(y, z, wz, wo)
+
+    @staticmethod
+    def backward(ctx, dout):
+        return _kernels.rank_outputs_bwd(dout.contiguous(), *ctx.saved_tensors)   # (dy, dz, dwz, dwo)
 
 
 def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
@@ -177,13 +199,24 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
                           None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
     entering0 = entering_state(initial_state, dt, trap, mimo_v)
+    mimo = mimo_v is not None
+    T = b * l
+    # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
+    v_rows = v.reshape(T, h, p).contiguous()                                  # (T, h, p)
+    x = RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p) if mimo else v_rows.view(b, l, h, p)
     # the within-step correction is inside the scan (the same step's block of the chunk takes γ_t: see
-    # kernels.mamba3.chunk_scan), and so are D, the rank inputs v ⊙ W^V_r and the output stage (gate, Σ_r W^O)
-    c = lambda t: None if t is None else t.contiguous()
-    out, final = Mamba3ScanFn.apply(c(q), c(k), c(q_bias), c(k_bias), theta, c(v), c(z), c(mimo_v), c(mimo_z),
-                                    c(mimo_o), c(adt), c(sigma), c(gamma), c(D), c(entering0), r, chunk_size,
-                                    reduction)
-    out = out.to(dtype_in)
+    # kernels.mamba3.chunk_scan), and D x = D v ⊙ W^V_r too; the output stage is the gate and Σ_r W^O alone
+    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
+                                  x, adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
+                                  None if D is None else D.contiguous(),
+                                  None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction)
+    if mimo or z is not None:
+        out = RankOutputsFn.apply(y.view(T, r, h, p), None if z is None else z.reshape(T, h, p).contiguous(),
+                                  None if mimo_z is None else mimo_z.contiguous(),
+                                  None if mimo_o is None else mimo_o.contiguous())
+    else:
+        out = y                                                               # SISO without a gate: y itself
+    out = out.view(b, l, h, p).to(dtype_in)
     if not return_final_state:
         return out
     k_last = biased_rotated(k[:, -1].float(), k_bias, theta[:, -1]).transpose(1, 2)   # (b, h, r, n) in fp32

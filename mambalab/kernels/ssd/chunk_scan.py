@@ -28,8 +28,6 @@ Backward (below the forward): this step's and step 1's (chunk states), in one ke
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -56,143 +54,14 @@ def _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM: tl.constexpr):
     return Dv
 
 
-class RankWeights(NamedTuple):
-    """Mamba-3's MIMO weights for the SSD kernels' rank mode, each (h, R, p) fp32 (R ranks a step): W^V makes
-    the inputs (:func:`_inputs`), W^Z the gate's input and W^O sums the ranks' outputs (:func:`_store_outputs`,
-    :func:`_gated_grad`). W^Z is None without a gate."""
-
-    wv: torch.Tensor
-    wz: torch.Tensor | None
-    wo: torch.Tensor
-
-
-def rank_expanded(x, mimo: RankWeights | None):
-    """The sizes the kernels see: (b, l, h, p, RANKS) from x (b, l, h, p) (RANKS = 0), or in the rank mode
-    (``mimo`` given; Mamba-3's MIMO) from v (b, l / R, h, p): l · R positions and RANKS = R."""
-    b, l, h, p = x.shape
-    if mimo is None:
-        return b, l, h, p, 0
-    r = mimo.wv.shape[1]
-    for name, w in zip(("W^V", "W^Z", "W^O"), mimo):
-        if w is not None and (w.shape != (h, r, p) or w.dtype != torch.float32):
-            raise ValueError(f"{name} must be (h, R, p) = ({h}, {r}, {p}) fp32 for v {tuple(x.shape)}; got "
-                             f"{tuple(w.shape)} {w.dtype}")
-    return b, l * r, h, p, r
-
-
-def rank_pointers(mimo: RankWeights | None, dummy):
-    """(W^V, W^Z, W^O) for a launch: the rank mode's weights, ``dummy`` for each one absent."""
-    if mimo is None:
-        return dummy, dummy, dummy
-    return mimo.wv, mimo.wz if mimo.wz is not None else dummy, mimo.wo
-
-
-# The rank mode (RANKS = R > 0; Mamba-3's MIMO, :mod:`mambalab.kernels.mamba3.chunk_scan`). The SSD runs over
-# l·R positions, position j holding rank j mod R of step j // R (chunks and blocks start on a step), but what
-# is per rank never reaches memory: v, z and d out are per step (b, l / R, h, p) and the kernels form
-#
-#     x_j = v_{j // R} ⊙ W^V_{j mod R},   z_j = z_{j // R} ⊙ W^Z_{j mod R},   dout_j = dout_{j // R} ⊙ W^O_{j mod R}
-#     out_t = Σ_r W^O_r ⊙ Y_{t·R + r} ⊙ silu(z_{t·R + r})                   (a step's R rows summed on chip)
-#
-# where they load or store them; the backward hands back dv, dz (per step) and dW^V, dW^Z, dW^O (per-program
-# partials, folded in a fixed order) in place of dx, dz per position and the output stage's own pass.
-
-
 @triton.jit
-def _per_step(ptr, row, head, h, p, offs_p, mask, RANKS: tl.constexpr):
-    """A tensor of steps (b, l / R, h, p) read at positions ``row`` (BLOCK_T,) of the flattened (b·l) axis:
-    position j reads step j // R. (BLOCK_T, BLOCK_P) in its dtype, 0 where ``mask`` is False."""
-    return tl.load(ptr + ((row // RANKS)[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _per_rank(w_ptr, offs, head, p, offs_p, mask, RANKS: tl.constexpr):
-    """W (h, R, p) fp32 at positions with offsets ``offs`` in their chunk: W_{j mod R}, (BLOCK_T, BLOCK_P)."""
-    return tl.load(w_ptr + (head * RANKS + offs % RANKS)[:, None] * p + offs_p[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _steps(first_pos, first_row, l, mask_p, RANKS: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The BLOCK_T / R steps of a block whose first position is ``first_pos`` in its sequence and
-    ``first_row`` in the flattened (b·l) axis: (their rows in (b·l / R) as int64, the (steps, BLOCK_P) mask
-    of those before l)."""
-    steps = tl.arange(0, BLOCK_T // RANKS)
-    return first_row.to(tl.int64) // RANKS + steps, ((first_pos + steps * RANKS) < l)[:, None] & mask_p[None, :]
-
-
-@triton.jit
-def _rank_tile(head, h, p, offs_p, mask_p, slot, RANKS: tl.constexpr):
-    """Where a program's (R, BLOCK_P) partial of a gradient of W (h, R, p) goes in partials (slots, h, R, p):
-    (offsets, mask)."""
-    ranks = tl.arange(0, RANKS)
-    at = ((slot * h + head) * RANKS + ranks)[:, None] * p + offs_p[None, :]
-    return at, (ranks < RANKS)[:, None] & mask_p[None, :]
-
-
-@triton.jit
-def _by_step(t, RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """(BLOCK_T, BLOCK_P) rows of positions -> (steps, ranks, BLOCK_P)."""
-    return tl.reshape(t, (BLOCK_T // RANKS, RANKS, BLOCK_P))
-
-
-@triton.jit
-def _inputs(x_ptr, wv_ptr, row, offs, mask, head, h, p, offs_p, RANKS: tl.constexpr):
-    """The SSD's inputs x at rows ``row`` (BLOCK_T,) int64 of the flattened (b·l) axis, whose offsets in their
-    chunk are ``offs``, and head dimensions offs_p: a (BLOCK_T, BLOCK_P) tile in x's dtype, 0 where ``mask``
-    is False. RANKS = 0: loaded from x (b, l, h, p). Rank mode: x_ptr holds v and wv_ptr W^V, and x_j =
-    v_{j // R} ⊙ W^V_{j mod R} is formed in fp32 and rounded once to v's dtype, as
-    :mod:`mambalab.ref.mamba3`'s rank inputs are; a step's R rows read one row of v."""
-    if RANKS > 0:
-        v = _per_step(x_ptr, row, head, h, p, offs_p, mask, RANKS)
-        x = (v.to(tl.float32) * _per_rank(wv_ptr, offs, head, p, offs_p, mask, RANKS)).to(x_ptr.dtype.element_ty)
-    else:
-        x = tl.load(x_ptr + (row[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0)
-    return x
-
-
-@triton.jit
-def _gate(z_ptr, wz_ptr, row, offs, mask, head, h, p, offs_p, RANKS: tl.constexpr):
-    """The gate's input z at positions ``row`` in fp32 (BLOCK_T, BLOCK_P): z_j, or z_{j // R} ⊙ W^Z_{j mod R}."""
-    if RANKS > 0:
-        zz = _per_step(z_ptr, row, head, h, p, offs_p, mask, RANKS).to(tl.float32) * _per_rank(
-            wz_ptr, offs, head, p, offs_p, mask, RANKS)
-    else:
-        zz = tl.load(z_ptr + (row[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0).to(tl.float32)
-    return zz
-
-
-@triton.jit
-def _gated_grad(dout_ptr, z_ptr, wz_ptr, wo_ptr, row, offs, mask, head, h, p, offs_p, HAS_Z: tl.constexpr,
-                RANKS: tl.constexpr):
-    """dY = dout ⊙ silu(z) (or dout) at positions ``row``, fp32 (BLOCK_T, BLOCK_P); in the rank mode dout_j =
-    dout_{j // R} ⊙ W^O_{j mod R} and z_j likewise (:func:`_gate`)."""
-    if RANKS > 0:
-        dY = _per_step(dout_ptr, row, head, h, p, offs_p, mask, RANKS).to(tl.float32) * _per_rank(
-            wo_ptr, offs, head, p, offs_p, mask, RANKS)
-    else:
-        dY = tl.load(dout_ptr + (row[:, None] * h + head) * p + offs_p[None, :], mask=mask, other=0.0).to(tl.float32)
+def _gated_grad(dout_ptr, z_ptr, ptrs, mask, HAS_Z: tl.constexpr):
+    """dY = dout ⊙ silu(z) (or dout) at ``ptrs``, fp32."""
+    dY = tl.load(dout_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
     if HAS_Z:
-        zz = _gate(z_ptr, wz_ptr, row, offs, mask, head, h, p, offs_p, RANKS)
+        zz = tl.load(z_ptr + ptrs, mask=mask, other=0.0).to(tl.float32)
         dY = dY * zz * tl.sigmoid(zz)
     return dY
-
-
-@triton.jit
-def _store_outputs(y, out_ptr, z_ptr, wz_ptr, wo_ptr, row, offs, mask, first_pos, first_row, l, head, h, p, offs_p,
-                   mask_p, HAS_Z: tl.constexpr, RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """Store Y (BLOCK_T, BLOCK_P) fp32 at positions ``row`` as out = Y ⊙ silu(z) (or Y), in out's dtype; in the
-    rank mode out_t = Σ_r W^O_r ⊙ Y_{t·R + r} ⊙ silu(z_{t·R + r}), one row per step (``first_pos``,
-    ``first_row``: the block's first position, :func:`_steps`)."""
-    if HAS_Z:
-        zz = _gate(z_ptr, wz_ptr, row, offs, mask, head, h, p, offs_p, RANKS)
-        y = y * zz * tl.sigmoid(zz)
-    if RANKS > 0:
-        y = y * _per_rank(wo_ptr, offs, head, p, offs_p, mask, RANKS)
-        steps, mask_v = _steps(first_pos, first_row, l, mask_p, RANKS, BLOCK_T)
-        tl.store(out_ptr + (steps[:, None] * h + head) * p + offs_p[None, :],
-                 tl.sum(_by_step(y, RANKS, BLOCK_T, BLOCK_P), axis=1).to(out_ptr.dtype.element_ty), mask=mask_v)
-    else:
-        tl.store(out_ptr + (row[:, None] * h + head) * p + offs_p[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -227,20 +96,18 @@ def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constex
 
 @triton.jit
 def chunk_scan_fwd_kernel(
-    x_ptr,            # (b, l, h, p) inputs, or v (b, l / RANKS, h, p) (_inputs)
-    wv_ptr, wz_ptr, wo_ptr,   # (h, RANKS, p) fp32 W^V, W^Z, W^O (the rank mode), or dummies
+    x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
     cs_ptr,           # (b, h, c, q) fp32 within-chunk cumsum of Δ A from step 0
     entering_ptr,     # (b, c, h, p, n) state entering each chunk, from step 2 (x's dtype)
     D_ptr,            # (h,) or (h, p) skip weights, or a dummy
-    z_ptr,            # (b, l, h, p) gate (rank mode: per step), or a dummy
-    out_ptr,          # (b, l, h, p) out (rank mode: per step), in x's dtype
+    z_ptr,            # (b, l, h, p) gate, or a dummy
+    out_ptr,          # (b, l, h, p) out, in x's dtype
     same_ptr,         # (b, h, c, q) fp32 the same-step weight at each position (STEP > 0), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks; _intra_weights), 0: plain SSD
-    RANKS: tl.constexpr,             # the rank mode's R (_inputs, _store_outputs), 0: none
     HAS_D: tl.constexpr,
     D_PER_DIM: tl.constexpr,         # D is (h, p) rather than (h,)
     HAS_Z: tl.constexpr,
@@ -301,35 +168,37 @@ def chunk_scan_fwd_kernel(
             scores = cb * W
         else:
             scores = cb * L * delta_s[None, :]            # the SSD's order of products (its bits unchanged)
-        xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
-                     RANKS)                                                        # (BLOCK_T, BLOCK_P)
+        xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
+                     mask=mask_s[:, None] & mask_p[None, :], other=0.0)              # (BLOCK_T, BLOCK_P)
         y += tl.dot(scores.to(dot_ty), xs.to(dot_ty), input_precision=DOT_PRECISION)
 
     mask_tp = mask_t[:, None] & mask_p[None, :]
+    x_ptrs = (row_t[:, None] * h + head) * p + offs_p[None, :]                       # (BLOCK_T, BLOCK_P)
+    x = tl.load(x_ptr + x_ptrs, mask=mask_tp, other=0.0)
     if HAS_D:
-        x = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, RANKS)
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x.to(tl.float32) * Dv
-    first = pid_c * Q + tblk * BLOCK_T
-    _store_outputs(y, out_ptr, z_ptr, wz_ptr, wo_ptr, row_t, offs_t, mask_tp, first, pid_b * l + first, l, head, h,
-                   p, offs_p, mask_p, HAS_Z, RANKS, BLOCK_T, BLOCK_P)
+    if HAS_Z:
+        zz = tl.load(z_ptr + x_ptrs, mask=mask_tp, other=0.0).to(tl.float32)
+        y = y * zz * tl.sigmoid(zz)
+    tl.store(out_ptr + x_ptrs, y.to(out_ptr.dtype.element_ty), mask=mask_tp)
 
 
 def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee", same=None,
-                   step: int = 0, mimo: RankWeights | None = None):
+                   step: int = 0):
     """Launch step 3. x, z (b, l, h, p) and B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32;
     entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None; with ``step`` > 0 positions a
-    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`); with ``mimo``, the rank
-    mode: x is v and z, out are per step (b, l / R, h, p). Returns out (x's shape and dtype)."""
-    b, l, h, p, ranks = rank_expanded(x, mimo)
+    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`). Returns out
+    (b, l, h, p), x's dtype."""
+    b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     out = torch.empty_like(x)
     grid = (b, c, h * (q // cfg.block_t) * triton.cdiv(p, cfg.block_p))
     chunk_scan_fwd_kernel[grid](
-        x, *rank_pointers(mimo, x), B, C, delta, cs, entering,
+        x, B, C, delta, cs, entering,
         D if D is not None else x, z if z is not None else x, out, same if step else delta,
-        h, p, n, l, g, c, STEP=step, RANKS=ranks,
+        h, p, n, l, g, c, STEP=step,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps,
@@ -391,48 +260,17 @@ def _block_program(h, p, n, g, c, Q: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_
 
 
 @triton.jit
-def _output_grads(y, dout_ptr, z_ptr, wz_ptr, wo_ptr, dz_ptr, dwz_ptr, dwo_ptr, row, offs, mask, first_pos, first_row,
-                  l, slot, head, h, p, offs_p, mask_p, HAS_Z: tl.constexpr, RANKS: tl.constexpr,
-                  BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The rows kernel's gradients of the rank mode's output stage out_t = Σ_r W^O_r ⊙ Y_j ⊙ silu(z_j) (j = t·R
-    + r, z_j = z_t ⊙ W^Z_r), from Y (BLOCK_T, BLOCK_P) fp32, recomputed before the gate (D x inside):
-
-        dz_t    = Σ_r dout_t ⊙ W^O_r ⊙ Y_j ⊙ silu'(z_j) ⊙ W^Z_r     stored per step, rounded once to z's dtype
-        dW^Z_r += Σ_t dout_t ⊙ W^O_r ⊙ Y_j ⊙ silu'(z_j) ⊙ z_t        this program's partial, at ``slot``
-        dW^O_r += Σ_t dout_t ⊙ Y_j ⊙ silu(z_j)                        likewise (silu(z_j) = 1 without z)
-
-    with silu'(x) = σ(x)(1 + x(1 - σ(x)))."""
-    dout = _per_step(dout_ptr, row, head, h, p, offs_p, mask, RANKS).to(tl.float32)
-    part, mask_w = _rank_tile(head, h, p, offs_p, mask_p, slot, RANKS)
-    gated = y
-    if HAS_Z:
-        z = _per_step(z_ptr, row, head, h, p, offs_p, mask, RANKS).to(tl.float32)
-        wz = _per_rank(wz_ptr, offs, head, p, offs_p, mask, RANKS)
-        zz = z * wz
-        sig = tl.sigmoid(zz)
-        gated = y * zz * sig
-        dzj = dout * _per_rank(wo_ptr, offs, head, p, offs_p, mask, RANKS) * y * sig * (1.0 + zz * (1.0 - sig))
-        steps, mask_v = _steps(first_pos, first_row, l, mask_p, RANKS, BLOCK_T)
-        tl.store(dz_ptr + (steps[:, None] * h + head) * p + offs_p[None, :],
-                 tl.sum(_by_step(dzj * wz, RANKS, BLOCK_T, BLOCK_P), axis=1).to(dz_ptr.dtype.element_ty), mask=mask_v)
-        tl.store(dwz_ptr + part, tl.sum(_by_step(dzj * z, RANKS, BLOCK_T, BLOCK_P), axis=0), mask=mask_w)
-    tl.store(dwo_ptr + part, tl.sum(_by_step(dout * gated, RANKS, BLOCK_T, BLOCK_P), axis=0), mask=mask_w)
-
-
-@triton.jit
 def chunk_scan_bwd_rows_kernel(
-    x_ptr,            # (b, l, h, p), or v (b, l / RANKS, h, p) (_inputs)
-    wv_ptr, wz_ptr, wo_ptr,   # (h, RANKS, p) fp32 W^V, W^Z, W^O (the rank mode), or dummies
+    x_ptr,            # (b, l, h, p)
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
     entering_ptr,     # (b, c, h, p, n) H_c (x's dtype)
     D_ptr,            # (h,) or (h, p), or a dummy
-    z_ptr,            # (b, l, h, p) (rank mode: per step), or a dummy
-    dout_ptr,         # (b, l, h, p) (rank mode: per step)
-    dz_ptr,           # (b, l, h, p) out (rank mode: per step), or a dummy
-    dwz_ptr, dwo_ptr,  # (b·c·q/BLOCK_T, h, RANKS, p) fp32 out: dW^Z's and dW^O's partials (rank mode), or dummies
+    z_ptr,            # (b, l, h, p), or a dummy
+    dout_ptr,         # (b, l, h, p)
+    dz_ptr,           # (b, l, h, p) out (or a dummy)
     dC_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head (fp32, or
                       # the caller's dtype when g = h: nothing is folded)
     dcs_row_ptr,      # (b, h, c, q) fp32 out: dcs, row part
@@ -440,13 +278,12 @@ def chunk_scan_bwd_rows_kernel(
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     dsame_ptr,        # (b, h, c, q) fp32 out: their gradient (STEP > 0), or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
-    STEP: tl.constexpr, RANKS: tl.constexpr,
+    STEP: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """Rows t of one block: dz, dC, dcs (row part), dD (and in the rank mode dW^Z, dW^O). One program: (batch
-    row, chunk, head, block of rows)."""
+    """Rows t of one block: dz, dC, dcs (row part), dD. One program: (batch row, chunk, head, block of rows)."""
     pid_b, pid_c, head, t0, group, offs_p, offs_n, mask_p, mask_n, chunk = _block_program(
         h, p, n, g, c, Q, BLOCK_T, BLOCK_P, BLOCK_N)
     dot_ty = x_ptr.dtype.element_ty
@@ -461,15 +298,12 @@ def chunk_scan_bwd_rows_kernel(
     dsame = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STEP > 0:
         same_t = tl.load(same_ptr + chunk + offs_t)
-    if RANKS > 0:
-        dY = _gated_grad(dout_ptr, z_ptr, wz_ptr, wo_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, HAS_Z, RANKS)
-    else:
-        dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-        dY = dout
-        if HAS_Z:
-            zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
-            sig = tl.sigmoid(zz)
-            dY = dout * zz * sig
+    dout = tl.load(dout_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+    dY = dout
+    if HAS_Z:
+        zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(zz)
+        dY = dout * zz * sig
     # the state in: the chunk's entering state, needed for this block's rows alone
     pn = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
     Hc = tl.load(entering_ptr + pn, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(dot_ty)   # (BP, BN)
@@ -483,15 +317,15 @@ def chunk_scan_bwd_rows_kernel(
         offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
         Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_s[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
-        xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
-                     RANKS).to(dot_ty)
+        xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
+                     mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
         dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
         if STEP > 0:
-            if HAS_Z or RANKS > 0:   # Y itself, for the gate's and W^O's gradients
+            if HAS_Z:
                 y += tl.dot((CB * W).to(dot_ty), xs, input_precision=DOT_PRECISION)
             Mw = W * dYx
             dsame += tl.sum(tl.where(_same_step(offs_t, offs_s, STEP), CB * dYx, 0.0), axis=1)
@@ -510,7 +344,7 @@ def chunk_scan_bwd_rows_kernel(
         tl.store(dC_ptr + (row_t[:, None] * h + head) * n + offs_n[None, :], dC.to(dC_ptr.dtype.element_ty),
                  mask=mask_tn)
     if HAS_D or HAS_Z:
-        x_t = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, RANKS).to(tl.float32)
+        x_t = tl.load(x_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
     if HAS_D:
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
         y += x_t * Dv
@@ -527,56 +361,30 @@ def chunk_scan_bwd_rows_kernel(
                 tl.atomic_add(dD_ptr + head, dD)
             else:
                 tl.store(dD_ptr + slot, dD)
-    if RANKS > 0:
-        first = pid_c * Q + t0
-        slot = ((pid_b * c + pid_c) * (Q // BLOCK_T) + t0 // BLOCK_T).to(tl.int64)
-        _output_grads(y, dout_ptr, z_ptr, wz_ptr, wo_ptr, dz_ptr, dwz_ptr, dwo_ptr, row_t, offs_t, mask_tp, first,
-                      pid_b * l + first, l, slot, head, h, p, offs_p, mask_p, HAS_Z, RANKS, BLOCK_T, BLOCK_P)
-    elif HAS_Z:
+    if HAS_Z:
         dz = dout * y * sig * (1.0 + zz * (1.0 - sig))
         tl.store(dz_ptr + tp, dz.to(dz_ptr.dtype.element_ty), mask=mask_tp)
 
 
 @triton.jit
-def _input_grads(dx, v_ptr, wv_ptr, dv_ptr, dwv_ptr, first_pos, first_row, l, slot, head, h, p, offs_p, mask_p,
-                 RANKS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr):
-    """The columns kernel's dx (BLOCK_T, BLOCK_P) fp32 taken back through :func:`_inputs`' x_j = v_{j // R} ⊙
-    W^V_{j mod R} (the block's first position ``first_pos``, ``first_row``: :func:`_steps`):
-
-        dv_t    = Σ_r dx_{t·R + r} ⊙ W^V_r      stored per step, rounded once to v's dtype
-        dW^V_r += Σ_t dx_{t·R + r} ⊙ v_t        this program's partial, at ``slot``"""
-    steps, mask_v = _steps(first_pos, first_row, l, mask_p, RANKS, BLOCK_T)
-    at = (steps[:, None] * h + head) * p + offs_p[None, :]
-    v = tl.load(v_ptr + at, mask=mask_v, other=0.0).to(tl.float32)                 # (BLOCK_T / R, BLOCK_P)
-    part, mask_w = _rank_tile(head, h, p, offs_p, mask_p, slot, RANKS)
-    w = tl.load(wv_ptr + (head * RANKS + tl.arange(0, RANKS))[:, None] * p + offs_p[None, :], mask=mask_w,
-                other=0.0)                                                         # (R, BLOCK_P)
-    dx3 = _by_step(dx, RANKS, BLOCK_T, BLOCK_P)                                    # steps, ranks, dims
-    tl.store(dv_ptr + at, tl.sum(dx3 * w[None, :, :], axis=1).to(dv_ptr.dtype.element_ty), mask=mask_v)
-    tl.store(dwv_ptr + part, tl.sum(dx3 * v[:, None, :], axis=0), mask=mask_w)
-
-
-@triton.jit
 def chunk_scan_bwd_columns_kernel(
-    x_ptr,            # (b, l, h, p), or v (b, l / RANKS, h, p) (_inputs)
-    wv_ptr, wz_ptr, wo_ptr,   # (h, RANKS, p) fp32 W^V, W^Z, W^O (the rank mode), or dummies
+    x_ptr,            # (b, l, h, p)
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ
     cs_ptr,           # (b, h, c, q) fp32
     dstates_ptr,      # (b, c, h, p, n) dS_c, from state_sweep's backward (x's dtype)
     D_ptr,            # (h,) or (h, p), or a dummy
-    z_ptr,            # (b, l, h, p) (rank mode: per step), or a dummy
-    dout_ptr,         # (b, l, h, p) (rank mode: per step)
-    dx_ptr,           # (b, l, h, p) out, x's dtype; rank mode: dv (b, l / RANKS, h, p) in v's dtype
-    dwv_ptr,          # (b·c·q/BLOCK_T, h, RANKS, p) fp32 out: dW^V's partials (rank mode), or a dummy
+    z_ptr,            # (b, l, h, p), or a dummy
+    dout_ptr,         # (b, l, h, p)
+    dx_ptr,           # (b, l, h, p) out, x's dtype
     dB_ptr,           # atomic: (b, l, g, n) fp32 zeroed; deterministic: (b, l, h, n) per head, as dC
     ddelta_ptr,       # (b, h, c, q) fp32 out: dΔ
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     h, p, n, l, g, c,
-    STEP: tl.constexpr, RANKS: tl.constexpr,
+    STEP: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -592,7 +400,7 @@ def chunk_scan_bwd_columns_kernel(
     mask_sp = mask_s[:, None] & mask_p[None, :]
     mask_sn = mask_s[:, None] & mask_n[None, :]
     Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], mask=mask_sn, other=0.0).to(dot_ty)
-    xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_sp, head, h, p, offs_p, RANKS)
+    xs = tl.load(x_ptr + sp, mask=mask_sp, other=0.0)
     xs_dot = xs.to(dot_ty)
     cs_s = tl.load(cs_ptr + chunk + offs_s)
     delta_s = tl.load(delta_ptr + chunk + offs_s)
@@ -610,8 +418,8 @@ def chunk_scan_bwd_columns_kernel(
     # the diagonal: rows t ≥ s
     for t0 in range(s0, Q, BLOCK_T):
         offs_t, mask_t, row_t = _positions(pid_b, pid_c, t0, l, Q, BLOCK_T)
-        dY = _gated_grad(dout_ptr, z_ptr, wz_ptr, wo_ptr, row_t, offs_t, mask_t[:, None] & mask_p[None, :], head,
-                         h, p, offs_p, HAS_Z, RANKS).to(dot_ty)
+        tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
+        dY = _gated_grad(dout_ptr, z_ptr, tp, mask_t[:, None] & mask_p[None, :], HAS_Z).to(dot_ty)
         Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_t[:, None] & mask_n[None, :], other=0.0).to(dot_ty)
         cs_t = tl.load(cs_ptr + chunk + offs_t)
@@ -633,15 +441,8 @@ def chunk_scan_bwd_columns_kernel(
         dcs_col -= delta_s * tl.sum(tl.where(earlier, G, 0.0), axis=0)
     if HAS_D:
         Dv = _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
-        dx += _gated_grad(dout_ptr, z_ptr, wz_ptr, wo_ptr, row_s, offs_s, mask_sp, head, h, p, offs_p, HAS_Z,
-                          RANKS) * Dv
-    if RANKS > 0:
-        first = pid_c * Q + s0
-        slot = ((pid_b * c + pid_c) * (Q // BLOCK_T) + s0 // BLOCK_T).to(tl.int64)
-        _input_grads(dx, x_ptr, wv_ptr, dx_ptr, dwv_ptr, first, pid_b * l + first, l, slot, head, h, p, offs_p,
-                     mask_p, RANKS, BLOCK_T, BLOCK_P)
-    else:
-        tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
+        dx += _gated_grad(dout_ptr, z_ptr, sp, mask_sp, HAS_Z) * Dv
+    tl.store(dx_ptr + sp, dx.to(dx_ptr.dtype.element_ty), mask=mask_sp)
     if REDUCE_ATOMIC:
         tl.atomic_add(dB_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :], dB, mask=mask_sn)
     else:
@@ -653,19 +454,15 @@ def chunk_scan_bwd_columns_kernel(
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0,
-                   mimo: RankWeights | None = None):
+                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
     dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
     (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
     (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``. With
     ``step`` > 0 positions a step and their same-step weights ``same`` (b, h, c, q) fp32 (:func:`_intra_weights`),
-    then their gradient dsame (b, h, c, q) fp32 and the rank mode's weights' gradients, returned last. With
-    ``mimo`` (the rank mode), x is v and dout, z per step (b, l / R, h, p): dx is then dv and dz per step, and
-    the weights' gradients a :class:`RankWeights` of (h, R, p) fp32 (dW^Z None without z; without ``mimo``,
-    None)."""
-    b, l, h, p, ranks = rank_expanded(x, mimo)
+    also their gradient dsame (b, h, c, q) fp32, returned last."""
+    b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     block_t = cfg.backward_block_t
@@ -674,8 +471,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     n_tblocks = q // block_t
     atomic = reduction == "atomic"
     f32 = dict(device=x.device, dtype=torch.float32)
-    dx = torch.empty_like(x)                                                  # dv when x is v
-    dw = torch.empty(3, b * c * n_tblocks, h, ranks, p, **f32) if ranks else None   # dW^V, dW^Z, dW^O partials
+    dx = torch.empty_like(x)
     dz = torch.empty_like(z) if z is not None else None
     bc_shape = (b, l, g, n) if atomic else (b, l, h, n)
     bc = dict(f32, dtype=bc_dtype) if g == h and not atomic else f32
@@ -694,18 +490,17 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     flags = dict(HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
                  DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps)
-    D_arg, z_arg, weights = (D if D is not None else x), (z if z is not None else x), rank_pointers(mimo, x)
-    dwv, dwz, dwo = (dw[0], dw[1], dw[2]) if ranks else (dx, dx, dx)
+    D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
     chunk_scan_bwd_rows_kernel[grid](
-        x, *weights, B, C, delta, cs, entering, D_arg, z_arg, dout,
-        dz if dz is not None else dx, dwz, dwo, dC, dcs_row, dD if dD is not None else ddelta,
+        x, B, C, delta, cs, entering, D_arg, z_arg, dout,
+        dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
         same if step else delta, dsame if step else delta,
-        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, RANKS=ranks, **flags,
+        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, **flags,
     )
     chunk_scan_bwd_columns_kernel[grid](
-        x, *weights, B, C, delta, cs, dstates, D_arg, z_arg, dout,
-        dx, dwv, dB, ddelta, dcs_col, dws, same if step else delta,
-        h, p, n, l, g, c, STEP=step, RANKS=ranks, **flags,
+        x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
+        dx, dB, ddelta, dcs_col, dws, same if step else delta,
+        h, p, n, l, g, c, STEP=step, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)
@@ -715,9 +510,5 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
             dD = sum_partials(dD, dim=1)
         dD = dD.view(D.shape)
     if step:
-        dmimo = None
-        if ranks:
-            dwv, dwz, dwo = sum_partials(dw, dim=1)                           # one fold for the three
-            dmimo = RankWeights(dwv, dwz if z is not None else None, dwo)
-        return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame, dmimo
+        return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws, dsame
     return dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws

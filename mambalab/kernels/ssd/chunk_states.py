@@ -22,7 +22,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mambalab.kernels.ssd.chunk_scan import _inputs, rank_expanded, rank_pointers
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
@@ -39,14 +38,12 @@ def _head_block(pid_hp, h, p, g, BLOCK_P: tl.constexpr):
 
 @triton.jit
 def chunk_states_fwd_kernel(
-    x_ptr,            # (b, l, h, p) inputs, or v (b, l / RANKS, h, p) (chunk_scan._inputs)
-    wv_ptr,           # (h, RANKS, p) fp32 W^V (the rank mode), or a dummy
+    x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
     cs_ptr,           # (b, h, c, q) fp32 within-chunk cumsum of Δ A from step 0
     states_ptr,       # (b, c, h, p, n) fp32 out
     h, p, n, l, g, c,  # sizes
-    RANKS: tl.constexpr,             # the rank mode's R: x formed from v and W^V (chunk_scan._inputs), or 0
     BLOCK_T: tl.constexpr,           # chunk positions per step of the sum
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     Q: tl.constexpr,                 # chunk size
@@ -67,8 +64,8 @@ def chunk_states_fwd_kernel(
         s = s0 + offs_t
         mask_s = pid_c * Q + s < l
         row = (pid_b * l + pid_c * Q + s).to(tl.int64)                               # (BLOCK_T,)
-        x = _inputs(x_ptr, wv_ptr, row, s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
-                    RANKS)                                                         # (BLOCK_T, BLOCK_P)
+        x = tl.load(x_ptr + (row[:, None] * h + head) * p + offs_p[None, :],
+                    mask=mask_s[:, None] & mask_p[None, :], other=0.0)               # (BLOCK_T, BLOCK_P)
         Bs = tl.load(B_ptr + (row[:, None] * g + group) * n + offs_n[None, :],
                      mask=mask_s[:, None] & mask_n[None, :], other=0.0)              # (BLOCK_T, BLOCK_N)
         cs = tl.load(cs_ptr + chunk + s)                                             # (BLOCK_T,)
@@ -81,21 +78,19 @@ def chunk_states_fwd_kernel(
     tl.store(states_ptr + out, S, mask=mask_p[:, None] & mask_n[None, :])
 
 
-def chunk_states_fwd(x, B, delta, cs, cfg: TileConfig, dot_precision: str = "ieee", mimo=None):
-    """Launch step 1. x (b, l, h, p), B (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32 from step 0;
-    with ``mimo`` (:class:`~mambalab.kernels.ssd.chunk_scan.RankWeights`, the rank mode), x is v
-    (b, l / R, h, p) (:func:`~mambalab.kernels.ssd.chunk_scan._inputs`).
+def chunk_states_fwd(x, B, delta, cs, cfg: TileConfig, dot_precision: str = "ieee"):
+    """Launch step 1. x (b, l, h, p), B (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32 from step 0.
 
     Returns the chunk states (b, c, h, p, n) fp32.
     """
-    b, l, h, p, ranks = rank_expanded(x, mimo)
+    b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c = delta.shape[2]
     states = torch.empty(b, c, h, p, n, device=x.device, dtype=torch.float32)
     grid = (b, c, h * triton.cdiv(p, cfg.block_p))
     chunk_states_fwd_kernel[grid](
-        x, rank_pointers(mimo, x)[0], B, delta, cs, states,
-        h, p, n, l, g, c, RANKS=ranks,
+        x, B, delta, cs, states,
+        h, p, n, l, g, c,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps,
     )

@@ -61,20 +61,17 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
 
 
 def steps_1_to_3(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str, sweep: bool, same=None,
-                 step: int = 0, mimo=None):
+                 step: int = 0):
     """Steps 1-3 from step 0's Δ and cs: as one sweep (``sweep``) or as the three split launches. Returns
     (out (b, l, h, p) and entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32, the chunk states S
     (b, c, h, p, n) fp32, or None from the sweep, which never forms them). ``step`` > 0 positions a step with
     same-step weights ``same`` (b, h, c, q) fp32: Mamba-3's form (:func:`~mambalab.kernels.ssd.chunk_scan.
-    _intra_weights`); with ``mimo`` (:class:`~mambalab.kernels.ssd.chunk_scan.RankWeights`, the rank mode of
-    Mamba-3's MIMO), x is v and z, out are per step (b, l / R, h, p): the kernels form each position's input
-    and gate where they load them and sum a step's outputs where they store them."""
+    _intra_weights`)."""
     if step and cfg.block_t % step:
         raise ValueError(f"a step's {step} positions must not straddle a block of {cfg.block_t}")
     if sweep:
-        return (*state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg, dot_precision, same=same, step=step,
-                                 mimo=mimo), None)
-    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision, mimo=mimo)
+        return (*state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg, dot_precision, same=same, step=step), None)
+    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
     entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype)
-    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision, same=same, step=step, mimo=mimo)
+    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision, same=same, step=step)
     return out, entering, final, states

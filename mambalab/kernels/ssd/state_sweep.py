@@ -48,30 +48,27 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
-from mambalab.kernels.ssd.chunk_scan import (RankWeights, _gated_grad, _inputs, _same_step, _skip_weight,
-                                             _store_outputs, rank_expanded, rank_pointers)
+from mambalab.kernels.ssd.chunk_scan import _gated_grad, _same_step, _skip_weight
 from mambalab.kernels.ssd.chunk_states import _head_block
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
 @triton.jit
 def state_sweep_fwd_kernel(
-    x_ptr,            # (b, l, h, p) inputs, or v (b, l / RANKS, h, p) (chunk_scan._inputs)
-    wv_ptr, wz_ptr, wo_ptr,   # (h, RANKS, p) fp32 W^V, W^Z, W^O (the rank mode), or dummies
+    x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
     C_ptr,            # (b, l, g, n)
     delta_ptr,        # (b, h, c, q) fp32 Δ from step 0
     cs_ptr,           # (b, h, c, q) fp32 within-chunk cumsum of Δ A from step 0
     init_ptr,         # (b, h, p, n) fp32 initial state, or a dummy
     D_ptr,            # (h,) or (h, p) skip weights, or a dummy
-    z_ptr,            # (b, l, h, p) gate (rank mode: per step), or a dummy
-    out_ptr,          # (b, l, h, p) out (rank mode: per step), x's dtype
+    z_ptr,            # (b, l, h, p) gate, or a dummy
+    out_ptr,          # (b, l, h, p) out, x's dtype
     entering_ptr,     # (b, c, h, p, n) out, x's dtype: the state entering each chunk
     final_ptr,        # (b, h, p, n) fp32 out: the state after the last chunk
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0; chunk_scan._intra_weights), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks), 0: plain SSD
-    RANKS: tl.constexpr,             # the rank mode's R (chunk_scan._inputs, _store_outputs), 0: none
     HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_T: tl.constexpr,           # chunk positions per block (divides Q)
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -102,10 +99,11 @@ def state_sweep_fwd_kernel(
             mask_t = ci * Q + offs_t < l
             row_t = (pid_b * l + ci * Q + offs_t).to(tl.int64)
             mask_tn = mask_t[:, None] & (offs_n < n)[None, :]
+            tp = (row_t[:, None] * h + head) * p + offs_p[None, :]
             mask_tp = mask_t[:, None] & mask_p[None, :]
             Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
             Bt = tl.load(B_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0)
-            xt = _inputs(x_ptr, wv_ptr, row_t, offs_t, mask_tp, head, h, p, offs_p, RANKS)
+            xt = tl.load(x_ptr + tp, mask=mask_tp, other=0.0)
             cs_t = tl.load(cs_ptr + chunk + offs_t)
             delta_t = tl.load(delta_ptr + chunk + offs_t)
             Ct, Bt, xd = Ct.to(dot_ty), Bt.to(dot_ty), xt.to(dot_ty)
@@ -130,8 +128,8 @@ def state_sweep_fwd_kernel(
                 row_s = (pid_b * l + ci * Q + offs_s).to(tl.int64)
                 Bs = tl.load(B_ptr + (row_s[:, None] * g + group) * n + offs_n[None, :],
                              mask=mask_s[:, None] & (offs_n < n)[None, :], other=0.0).to(dot_ty)
-                xs = _inputs(x_ptr, wv_ptr, row_s, offs_s, mask_s[:, None] & mask_p[None, :], head, h, p, offs_p,
-                             RANKS).to(dot_ty)
+                xs = tl.load(x_ptr + (row_s[:, None] * h + head) * p + offs_p[None, :],
+                             mask=mask_s[:, None] & mask_p[None, :], other=0.0).to(dot_ty)
                 cs_s = tl.load(cs_ptr + chunk + offs_s)
                 delta_s = tl.load(delta_ptr + chunk + offs_s)
                 w = tl.exp(cs_t[:, None] - cs_s[None, :]) * delta_s[None, :]          # s < t: exponent ≤ 0
@@ -139,9 +137,10 @@ def state_sweep_fwd_kernel(
                 y += tl.dot((cb * w).to(dot_ty), xs, input_precision=DOT_PRECISION)
             if HAS_D:
                 y += xt.to(tl.float32) * _skip_weight(D_ptr, head, p, offs_p, mask_p, D_PER_DIM)
-            first = ci * Q + t0
-            _store_outputs(y, out_ptr, z_ptr, wz_ptr, wo_ptr, row_t, offs_t, mask_tp, first, pid_b * l + first, l,
-                           head, h, p, offs_p, mask_p, HAS_Z, RANKS, BLOCK_T, BLOCK_P)
+            if HAS_Z:
+                zz = tl.load(z_ptr + tp, mask=mask_tp, other=0.0).to(tl.float32)
+                y = y * zz * tl.sigmoid(zz)
+            tl.store(out_ptr + tp, y.to(out_ptr.dtype.element_ty), mask=mask_tp)
             # step 1: this block's part of the chunk's own state, weighted by its decay to the chunk's end
             xw = (xt.to(tl.float32) * (tl.exp(cs_last - cs_t) * delta_t)[:, None]).to(dot_ty)
             S += tl.dot(tl.trans(xw), Bt, input_precision=DOT_PRECISION)              # (BP, BN)
@@ -150,14 +149,12 @@ def state_sweep_fwd_kernel(
 
 
 def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str = "ieee",
-                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0,
-                    mimo: RankWeights | None = None):
+                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0):
     """Launch steps 1-3 as one sweep. x, z (b, l, h, p), B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q)
-    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None; with ``mimo``
-    (the rank mode, :mod:`~mambalab.kernels.ssd.chunk_scan`), x is v and z, out are per step (b, l / R, h, p).
-    ``block_p`` and ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (x's
-    shape) and entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32)."""
-    b, l, h, p, ranks = rank_expanded(x, mimo)
+    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None. ``block_p`` and
+    ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (b, l, h, p) and
+    entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32)."""
+    b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     block_p = block_p or cfg.block_p
@@ -165,9 +162,9 @@ def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_prec
     entering = torch.empty(b, c, h, p, n, device=x.device, dtype=x.dtype)
     final = torch.empty(b, h, p, n, device=x.device, dtype=torch.float32)
     state_sweep_fwd_kernel[(b, h * triton.cdiv(p, block_p))](
-        x, *rank_pointers(mimo, x), B, C, delta, cs, initial if initial is not None else final,
+        x, B, C, delta, cs, initial if initial is not None else final,
         D if D is not None else x, z if z is not None else x, out, entering, final,
-        same if step else delta, h, p, n, l, g, c, STEP=step, RANKS=ranks,
+        same if step else delta, h, p, n, l, g, c, STEP=step,
         HAS_INIT=initial is not None, HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2,
         HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q,
         DOT_PRECISION=dot_precision, num_warps=num_warps or cfg.num_warps,
@@ -177,9 +174,8 @@ def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_prec
 
 @triton.jit
 def state_sweep_bwd_kernel(
-    dout_ptr,         # (b, l, h, p) gradient of out (rank mode: per step)
-    z_ptr,            # (b, l, h, p) gate (rank mode: per step), or a dummy
-    wz_ptr, wo_ptr,   # (h, RANKS, p) fp32 W^Z, W^O (the rank mode), or dummies
+    dout_ptr,         # (b, l, h, p) gradient of out
+    z_ptr,            # (b, l, h, p) gate, or a dummy
     C_ptr,            # (b, l, g, n)
     cs_ptr,           # (b, h, c, q) fp32
     entering_ptr,     # (b, c, h, p, n) H_c, saved by the forward (x's dtype)
@@ -188,7 +184,6 @@ def state_sweep_bwd_kernel(
     dinit_ptr,        # (b, h, p, n) fp32 out: G_0 (or a dummy)
     da_ptr,           # atomic: (b, h, c) fp32 zeroed; deterministic: (b, h, c, p-blocks) fp32 partials
     h, p, n, l, g, c,
-    RANKS: tl.constexpr,             # the rank mode's R (chunk_scan._gated_grad), 0: none
     HAS_Z: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -223,8 +218,8 @@ def state_sweep_bwd_kernel(
             offs_t = t0 + tl.arange(0, BLOCK_T)
             mask_t = ci * Q + offs_t < l
             row_t = (pid_b * l + ci * Q + offs_t).to(tl.int64)
-            dY = _gated_grad(dout_ptr, z_ptr, wz_ptr, wo_ptr, row_t, offs_t, mask_t[:, None] & mask_p[None, :], head,
-                             h, p, offs_p, HAS_Z, RANKS)
+            dY = _gated_grad(dout_ptr, z_ptr, (row_t[:, None] * h + head) * p + offs_p[None, :],
+                             mask_t[:, None] & mask_p[None, :], HAS_Z)
             Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
             dYe = (dY * tl.exp(tl.load(cs_ptr + chunk + offs_t))[:, None]).to(dot_ty)
@@ -234,17 +229,14 @@ def state_sweep_bwd_kernel(
 
 
 def state_sweep_bwd(dout, z, C, cs, entering, dfinal, has_init: bool, cfg: TileConfig, reduction: str,
-                    dot_precision: str = "ieee", block_p: int | None = None, num_warps: int | None = None,
-                    mimo: RankWeights | None = None):
+                    dot_precision: str = "ieee", block_p: int | None = None, num_warps: int | None = None):
     """Launch the backward sweep (module docstring). dout, z (b, l, h, p) contiguous; C (b, l, g, n); cs
-    (b, h, c, q) fp32; entering (b, c, h, p, n) as the forward stored it; dfinal (b, h, p, n) fp32 or None;
-    with ``mimo`` (the rank mode), dout and z are per step (b, l / R, h, p).
+    (b, h, c, q) fp32; entering (b, c, h, p, n) as the forward stored it; dfinal (b, h, p, n) fp32 or None.
     ``block_p`` and ``num_warps`` default to the tile rule's (cfg.sweep_backward_block_p, cfg.num_warps).
     Returns (dstates (b, c, h, p, n) in entering's dtype, dinit (b, h, p, n) fp32 or None, da (b, h, c)
     fp32)."""
     b, c, h, p, n = entering.shape
-    l, g = C.shape[1], C.shape[2]
-    ranks = rank_expanded(dout, mimo)[4]
+    l, g = dout.shape[1], C.shape[2]
     q = cs.shape[3]
     block_p = block_p or cfg.sweep_backward_block_p
     n_pblocks = triton.cdiv(p, block_p)
@@ -254,9 +246,9 @@ def state_sweep_bwd(dout, z, C, cs, entering, dfinal, has_init: bool, cfg: TileC
     dinit = torch.empty(b, h, p, n, **f32) if has_init else None
     da = torch.zeros(b, h, c, **f32) if atomic else torch.empty(b, h, c, n_pblocks, **f32)
     state_sweep_bwd_kernel[(b, h * n_pblocks)](
-        dout, z if z is not None else dout, *rank_pointers(mimo, dout)[1:], C, cs, entering, dfinal if dfinal is not None else dstates,
+        dout, z if z is not None else dout, C, cs, entering, dfinal if dfinal is not None else dstates,
         dstates, dinit if dinit is not None else dstates, da,
-        h, p, n, l, g, c, RANKS=ranks,
+        h, p, n, l, g, c,
         HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_INIT=has_init, REDUCE_ATOMIC=atomic,
         BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
         num_warps=num_warps or cfg.num_warps,
