@@ -14,6 +14,8 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   alternating SISO forward+backward timings of both, and the median of their ratios; each side's SISO errors
   against mambalab's fp64 reference; forward+backward replayed as CUDA graphs (GPU time without the host's
   per-call work), SISO both sides and MIMO r=4 at each chunk size.
+* ``--mimo-rival``: last, mamba-ssm's MIMO r=4 (``mamba3_mimo``, TileLang) timed the same ways, its MIMO / SISO
+  ratio, and mambalab's MIMO differences from it (needs tilelang==0.1.8 on the machine: not yet run successfully).
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
@@ -72,6 +74,41 @@ def theirs(x, mimo, chunk):
     t = lambda v: v.transpose(1, 2)
     return siso(x["q"][:, :, 0], x["k"][:, :, 0], x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]),
                 x["q_bias"][:, 0], x["k_bias"][:, 0], x["angles"], x["D"], x["z"], chunk_size=chunk)
+
+
+def theirs_mimo(x, mimo, chunk):
+    """mamba-ssm's MIMO scan, ``mamba3_mimo`` (TileLang kernels). mamba-ssm 2.3.2 pins tilelang==0.1.8; with
+    tilelang 0.1.15 its kernels did not compile on the H200 (session 14: TVM's "ReduceOp cannot lower a layout").
+    Its kernel takes trap in the activations' dtype (bf16), the rest as mambalab's scan does."""
+    from mambalab import oracle
+
+    mimo_scan = oracle.module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
+    t = lambda v: v.transpose(1, 2)
+    n, a = x["q"].shape[-1], x["angles"].shape[-1]
+    return mimo_scan(x["q"], x["k"], x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]).bfloat16(), x["q_bias"],
+                     x["k_bias"], mimo["mimo_v"], mimo["mimo_z"], mimo["mimo_o"], x["angles"], x["D"], x["z"],
+                     chunk_size=chunk, rotary_dim_divisor=n // a, dtype=torch.bfloat16)
+
+
+def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
+    """mamba-ssm's MIMO r=4 (chunk 16) against its SISO and against mambalab's MIMO: its times (eager, and as a
+    CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), and mambalab's largest
+    differences from it relative to its largest magnitude. Any failure (TileLang compiles on the first call) is
+    recorded, not raised."""
+    out = {}
+    try:
+        out["times"] = measure(theirs_mimo, x4, m4, 16, dout, reps)
+        o_t, g_t = run(theirs_mimo, x4, m4, 16, dout)
+        o_o, g_o = run(ours, x4, m4, 16, dout)
+        rel = lambda u, w: ((u.float() - w.float()).abs().max() / w.float().abs().max()).item()
+        out["mambalab_vs_mamba_ssm_relative"] = {"out": rel(o_o, o_t),
+                                                 **{k: rel(g_o[k], g_t[k]) for k in g_t if g_t[k] is not None}}
+        out["graph_ms"] = graph_ms(lambda: run(theirs_mimo, x4, m4, 16, dout))
+        if siso_graph_ms:
+            out["mimo4_over_siso_fwd_bwd_graph"] = out["graph_ms"] / siso_graph_ms
+    except Exception as e:  # noqa: BLE001 - keep what was measured, say why the rest is missing
+        out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    return out
 
 
 def run(fn, x, mimo, chunk, dout=None):
@@ -174,6 +211,8 @@ def main():
                          "fp64 reference, d angles' above all, move with dout, so runs compare on one seed")
     ap.add_argument("--profile", action="store_true",
                     help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
+    ap.add_argument("--mimo-rival", action="store_true",
+                    help="last of all, also time mamba-ssm's MIMO r=4 (TileLang; needs tilelang==0.1.8 importable)")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -264,6 +303,12 @@ def main():
             for c in MIMO_CHUNKS:
                 mimo_ms = graphed[f"mambalab_mimo4_c{c}"]
                 ratios[f"mimo4_c{c}_over_siso_fwd_bwd_graph"] = mimo_ms / graphed["mambalab_siso_c64"]
+    if args.mimo_rival:   # last: its kernels compile on the first call, and may fail to
+        graphed = result.get("fwd_bwd_graph_ms", {})
+        siso_graph = graphed.get("mamba_ssm_siso_c64")
+        result["mamba_ssm_mimo4_c16"] = mimo_rival(x4, m4, dout, args.reps,
+                                                   siso_graph if isinstance(siso_graph, float) else None)
+        print("mamba_ssm_mimo4_c16", result["mamba_ssm_mimo4_c16"], flush=True)
     write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 

@@ -6,7 +6,11 @@
 #   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep,
 #            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic),
 #            ssd-sweep (tile configurations), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
-#            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size)
+#            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size),
+#            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
+#            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
+#            for tilelang-a, then .carry/tilelang-b with .whl for tilelang-b in the next call, while the machine
+#            is still warm)
 #   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -16,6 +20,7 @@ if [ ! -f /tmp/site/.mambalab-wheels ]; then   # once per machine (parallel lane
     && touch /tmp/site/.mambalab-wheels || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+[ -d /tmp/tlsite ] && export PYTHONPATH=/tmp/tlsite:$PYTHONPATH   # TileLang, when tilelang-a/-b installed it
 export JUPYTER_PATH=/tmp/site/share/jupyter   # nbconvert's templates, installed with --target
 SDIST=$(ls .carry/mamba_ssm-*.tar.gz)
 EXT_DIR=/tmp/mamba_ext
@@ -56,7 +61,11 @@ for step in "$@"; do
                  --out "$OUT/ssd_sweep.json" >"$OUT/ssd-sweep.log" 2>&1; tail -3 "$OUT/ssd-sweep.log" ;;
     mamba3-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -k "gpu or test_mamba3_module" tests/test_mamba3_kernels.py tests/test_mamba3_ref.py \
                     tests/test_mamba3_module.py >"$OUT/mamba3-tests.log" 2>&1; tail -5 "$OUT/mamba3-tests.log" ;;
-    mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" --precompile-rival "${M3_JOBS:-12}" --profile \
+    tilelang-a|tilelang-b) python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir \
+                             --target /tmp/tlsite .carry/$step/*.whl
+                           export PYTHONPATH=/tmp/tlsite:$PYTHONPATH
+                           [ "$step" = tilelang-b ] && python3 -c "import tilelang; print('tilelang', tilelang.__version__)" ;;
+    mamba3-bench) timeout "${M3_T:-120}" python3 benchmarks/bench_mamba3.py --out "$OUT" --precompile-rival "${M3_JOBS:-12}" --profile ${M3_ARGS:-} \
                     >"$OUT/mamba3-bench.log" 2>&1
                   tail -5 "$OUT/mamba3-bench.log" ;;
     det-tests) timeout 300 python3 -m pytest -q -p no:cacheprovider -s tests/test_determinism.py tests/test_determinism_kernels.py \

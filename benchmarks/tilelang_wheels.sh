@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Download TileLang and its dependencies for the GPU machine (Python 3.12, x86-64 Linux; it has no network), for
+# mamba-ssm's MIMO kernels (mamba_ssm.ops.tilelang, which mamba-ssm 2.3.2 runs on tilelang==0.1.8, its pin).
+# Together they exceed one device call's carry limit (64 MiB), so they land in two folders:
+#   .carry/tilelang-a   tilelang itself (~43 MB)
+#   .carry/tilelang-b   its dependencies (~34 MB; z3-solver is most of it)
+# On the GPU machine: one call carrying .carry/tilelang-a runs `bash benchmarks/gpu_run.sh tilelang-a`, and the next
+# call, while that machine is still warm, carries .whl and .carry/tilelang-b and runs
+# `M3_ARGS=--mimo-rival bash benchmarks/gpu_run.sh tilelang-b mamba3-bench`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PIP=${PIP:-.venv/bin/pip}
+platform=(--python-version 3.12 --only-binary=:all: --no-deps --platform manylinux_2_28_x86_64
+          --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64)
+"$PIP" download -q "${platform[@]}" -d .carry/tilelang-a "tilelang==0.1.8"
+"$PIP" download -q "${platform[@]}" -d .carry/tilelang-b "apache-tvm-ffi>=0.1.2,~=0.1.0" torch-c-dlpack-ext cloudpickle \
+  ml-dtypes psutil "z3-solver>=4.13.0,<4.15.5"
+du -sh .carry/tilelang-a .carry/tilelang-b
