@@ -213,6 +213,13 @@ def zero_state(b, h, p, n, r, a, dtype, device) -> Mamba3State:
     return Mamba3State(z(b, h, a), z(b, h, p, n), z(b, h, r, n), z(b, h, p))
 
 
+def _cast_inputs(*args):
+    """The scan's tensor arguments q … mimo_o, in order, in the compute dtype (:func:`compute_dtype` of v, the
+    third), None kept: (v's dtype, the compute dtype, the cast arguments)."""
+    cd = compute_dtype(args[2])
+    return args[2].dtype, cd, [None if t is None else t.to(cd) for t in args]
+
+
 def _cast_state(state, dtype):
     return Mamba3State(*(t.to(dtype) for t in state))
 
@@ -231,10 +238,8 @@ def mamba3_step_ref(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=Non
 
 
 def _step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o):
-    dtype_in, cd = v.dtype, compute_dtype(v)
-    f = lambda t: None if t is None else t.to(cd)
-    q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o = map(
-        f, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o))
+    dtype_in, cd, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     state = _cast_state(state, cd)
     r = q.shape[1]
     theta = state.angle + angles * dt[..., None]                              # (b, h, a)
@@ -304,10 +309,8 @@ def mamba3_quadratic(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=N
     B = k̂, x = v ⊙ W^V_r and W from :func:`scan_weights`; then D, the gate and W^O (:func:`rank_outputs`)."""
     b, l, h, p, g, n, r, a = check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
                                           mimo_o, None)
-    dtype_in, cd = v.dtype, compute_dtype(v)
-    f = lambda t: None if t is None else t.to(cd)
-    q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o = map(
-        f, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o))
+    dtype_in, cd, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     q_hat, k_hat, v_r, gamma, sigma, _, _ = prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, mimo_v, None)
     C, B, x, _, _ = expand_ranks(q_hat, k_hat, v_r, adt, sigma)               # (b, l·r, h, ·)
     scores = torch.einsum("bjhn,bihn->bhji", C, B) * scan_weights(adt, sigma, gamma, r)
@@ -424,10 +427,8 @@ def mamba3_chunked(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=Non
     """
     b, l, h, p, g, n, r, a = check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
                                           mimo_o, initial_state, chunk_size=chunk_size)
-    dtype_in, cd = v.dtype, compute_dtype(v)
-    f = lambda t: None if t is None else t.to(cd)
-    q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o = map(
-        f, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o))
+    dtype_in, cd, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
+        q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     if initial_state is not None:
         initial_state = _cast_state(initial_state, cd)
     q_hat, k_hat, v_r, gamma, sigma, theta, entering0 = prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles,
