@@ -309,7 +309,7 @@ def mamba3_quadratic(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=N
     B = k̂, x = v ⊙ W^V_r and W from :func:`scan_weights`; then D, the gate and W^O (:func:`rank_outputs`)."""
     b, l, h, p, g, n, r, a = check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
                                           mimo_o, None)
-    dtype_in, cd, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
+    dtype_in, _, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     q_hat, k_hat, v_r, gamma, sigma, _, _ = prepare(q, k, v, adt, dt, trap, q_bias, k_bias, angles, mimo_v, None)
     C, B, x, _, _ = expand_ranks(q_hat, k_hat, v_r, adt, sigma)               # (b, l·r, h, ·)
