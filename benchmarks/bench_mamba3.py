@@ -54,8 +54,9 @@ def make(b, l, h, p, g, n, a, r, seed=0):
         "q_bias": 1 + 0.1 * rn(h, r, n), "k_bias": 1 + 0.1 * rn(h, r, n), "angles": rn(b, l, h, a),
         "D": rn(h), "z": rn(b, l, h, p).bfloat16(),
     }
-    mimo = {"mimo_v": torch.ones(h, r, p, device="cuda") / r, "mimo_z": torch.ones(h, r, p, device="cuda"),
-            "mimo_o": torch.ones(h, r, p, device="cuda") / r} if r > 1 else {}
+    # the modules' initial values (1/r, 1, 1/r), perturbed by 10 % so that a rank mixed up shows in the comparisons
+    mimo = {"mimo_v": (1 + 0.1 * rn(h, r, p)) / r, "mimo_z": 1 + 0.1 * rn(h, r, p),
+            "mimo_o": (1 + 0.1 * rn(h, r, p)) / r} if r > 1 else {}
     return x, mimo
 
 
@@ -92,8 +93,8 @@ def theirs_mimo(x, mimo, chunk):
 
 def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
     """mamba-ssm's MIMO r=4 (chunk 16) against its SISO and against mambalab's MIMO: its times (eager, and as a
-    CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), and mambalab's largest
-    differences from it relative to its largest magnitude. Any failure (TileLang compiles on the first call) is
+    CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), mambalab's largest
+    differences from it relative to its largest magnitude, and both sides' errors against the fp64 reference. Any failure (TileLang compiles on the first call) is
     recorded, not raised."""
     out = {}
     try:
@@ -103,6 +104,8 @@ def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
         rel = lambda u, w: ((u.float() - w.float()).abs().max() / w.float().abs().max()).item()
         out["mambalab_vs_mamba_ssm_relative"] = {"out": rel(o_o, o_t),
                                                  **{k: rel(g_o[k], g_t[k]) for k in g_t if g_t[k] is not None}}
+        out["errors_vs_fp64_reference"] = reference_errors(x4, m4, dout, {"mambalab": (o_o, g_o),
+                                                                           "mamba_ssm": (o_t, g_t)})
         out["graph_ms"] = graph_ms(lambda: run(theirs_mimo, x4, m4, 16, dout))
         if siso_graph_ms:
             out["mimo4_over_siso_fwd_bwd_graph"] = out["graph_ms"] / siso_graph_ms
@@ -175,17 +178,19 @@ def decode(batch, h, p, g, n, a, r):
             "flops": flops, "flops_per_byte": flops / moved}
 
 
-def reference_errors(x, dout, results):
-    """SISO: the largest |error| of mambalab's and of mamba-ssm's output and gradients against mambalab's fp64
+def reference_errors(x, mimo, dout, results):
+    """The largest |error| of mambalab's and of mamba-ssm's output and gradients against mambalab's fp64
     reference (ref.mamba3_chunked on the same inputs, sigmoid and π·tanh taken in fp64), relative to the
     reference's largest magnitude. Says which side of a difference between the two is the error.
-    results: {"mambalab": (out, grads), "mamba_ssm": (out, grads)}, each side's :func:`run` on x and dout."""
+    mimo: the rank weights ({} for SISO). results: {"mambalab": (out, grads), "mamba_ssm": (out, grads)}, each
+    side's :func:`run` on x, mimo and dout."""
     from mambalab.ref.mamba3 import mamba3_chunked
 
-    leaves = {k: v.detach().double().requires_grad_(True) for k, v in x.items()}
+    leaves = {k: v.detach().double().requires_grad_(True) for k, v in {**x, **mimo}.items()}
     want = mamba3_chunked(leaves["q"], leaves["k"], leaves["v"], leaves["adt"], leaves["dt"],
                           torch.sigmoid(leaves["trap"]), leaves["q_bias"], leaves["k_bias"],
-                          math.pi * torch.tanh(leaves["angles"]), leaves["D"], leaves["z"], chunk_size=64)
+                          math.pi * torch.tanh(leaves["angles"]), leaves["D"], leaves["z"],
+                          **{k: leaves[k] for k in mimo}, chunk_size=64)
     want.backward(dout.double())
     ref = {"out": want.detach(), **{k: v.grad for k, v in leaves.items()}}
     del want, leaves
@@ -282,7 +287,7 @@ def main():
         write(Path(args.out) / "bench_mamba3.json", result)
         try:
             result["siso_errors_vs_fp64_reference"] = reference_errors(
-                x1, dout, {"mambalab": (o, go), "mamba_ssm": (t, gt)})
+                x1, {}, dout, {"mambalab": (o, go), "mamba_ssm": (t, gt)})
         except Exception as e:  # noqa: BLE001
             result["siso_errors_vs_fp64_reference"] = f"{type(e).__name__}: {e}"
         write(Path(args.out) / "bench_mamba3.json", result)

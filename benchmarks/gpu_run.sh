@@ -15,7 +15,8 @@
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 mkdir -p "$OUT"
-if [ ! -f /tmp/site/.mambalab-wheels ]; then   # once per machine (parallel lanes share it)
+if [ ! -f /tmp/site/.mambalab-wheels ] && [ -d .whl ]; then   # once per machine (parallel lanes share it); a call
+  # that carries no .whl (tilelang-a) installs nothing here
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && touch /tmp/site/.mambalab-wheels || exit 1
 fi
