@@ -7,12 +7,15 @@
 # On the GPU machine: one call carrying .carry/tilelang-a runs `bash benchmarks/gpu_run.sh tilelang-a`, and the next
 # call, while that machine is still warm, carries .whl and .carry/tilelang-b and runs
 # `M3_ARGS=--mimo-rival bash benchmarks/gpu_run.sh tilelang-b mamba3-bench`.
+# apache-tvm-ffi 0.1.9 exactly: tilelang 0.1.8 allows any 0.1.x, but 0.1.10 and later break it (its TVM sets
+# attributes on objects that tvm-ffi now gives __slots__; see state-spaces/mamba#907), and 0.1.15 failed its
+# import on the H200 (session 15: "attribute '__dict__' of 'type' objects is not writable").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}
 platform=(--python-version 3.12 --only-binary=:all: --no-deps --platform manylinux_2_28_x86_64
           --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64)
 "$PIP" download -q "${platform[@]}" -d .carry/tilelang-a "tilelang==0.1.8"
-"$PIP" download -q "${platform[@]}" -d .carry/tilelang-b "apache-tvm-ffi>=0.1.2,~=0.1.0" torch-c-dlpack-ext cloudpickle \
+"$PIP" download -q "${platform[@]}" -d .carry/tilelang-b "apache-tvm-ffi==0.1.9" torch-c-dlpack-ext cloudpickle \
   ml-dtypes psutil "z3-solver>=4.13.0,<4.15.5"
 du -sh .carry/tilelang-a .carry/tilelang-b
