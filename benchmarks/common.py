@@ -45,17 +45,18 @@ def add_precompile_arguments(parser) -> None:
     parser.add_argument("--compile-part", help=argparse.SUPPRESS)
 
 
-def precompile_in_parallel(script: str, argv: list[str], parts: int) -> None:
+def precompile_in_parallel(script: str, argv: list[str], parts: int, extra_parts: tuple[str, ...] = ()) -> None:
     """Run ``script argv --compile-part i/parts`` for i < parts, all at once, and wait for them: each process
     compiles its slice of the rival's autotuned configurations (:func:`keep_config_slice`) into Triton's
     on-disk cache, so that the measuring process afterwards finds them compiled. Its autotuner still times
     every configuration and picks as shipped: only the compiling is spread over processes. Run it before
-    timing anything (those processes run kernels on the GPU too)."""
+    timing anything (those processes run kernels on the GPU too). ``extra_parts``: more ``--compile-part``
+    values, one process each, run beside those (what they compile is the script's to say)."""
     import subprocess
     import sys
 
-    procs = [subprocess.Popen([sys.executable, script, *argv, "--compile-part", f"{i}/{parts}"])
-             for i in range(parts)]
+    procs = [subprocess.Popen([sys.executable, script, *argv, "--compile-part", part])
+             for part in [f"{i}/{parts}" for i in range(parts)] + list(extra_parts)]
     for proc in procs:
         proc.wait()
 
