@@ -80,22 +80,29 @@ def theirs(x, mimo, chunk):
 def theirs_mimo(x, mimo, chunk):
     """mamba-ssm's MIMO scan, ``mamba3_mimo`` (TileLang kernels). mamba-ssm 2.3.2 pins tilelang==0.1.8; with
     tilelang 0.1.15 its kernels did not compile on the H200 (session 14: TVM's "ReduceOp cannot lower a layout").
-    Its kernel takes trap in the activations' dtype (bf16), the rest as mambalab's scan does."""
+    Its kernel takes trap in the activations' dtype (bf16), the rest as mambalab's scan does, but for the rotary
+    layout (below)."""
     from mambalab import oracle
+    from mambalab.ref.mamba3 import halves_order
 
     mimo_scan = oracle.module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
     t = lambda v: v.transpose(1, 2)
     n, a = x["q"].shape[-1], x["angles"].shape[-1]
-    return mimo_scan(x["q"], x["k"], x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]).bfloat16(), x["q_bias"],
-                     x["k_bias"], mimo["mimo_v"], mimo["mimo_z"], mimo["mimo_o"], x["angles"], x["D"], x["z"],
+    # its MIMO turns the pairs (i, i + n/2) where ours turns (2i, 2i+1): hand it q, k and biases in the order
+    # whose (i, i + n/2) pairs are ours (ref.mamba3.halves_order), so that both compute one function
+    natural = torch.argsort(halves_order(n, a, device=x["q"].device))
+    q, k, q_bias, k_bias = (x[name][..., natural] for name in ("q", "k", "q_bias", "k_bias"))
+    return mimo_scan(q, k, x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]).bfloat16(), q_bias, k_bias,
+                     mimo["mimo_v"], mimo["mimo_z"], mimo["mimo_o"], x["angles"], x["D"], x["z"],
                      chunk_size=chunk, rotary_dim_divisor=n // a, dtype=torch.bfloat16)
 
 
 def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
     """mamba-ssm's MIMO r=4 (chunk 16) against its SISO and against mambalab's MIMO: its times (eager, and as a
     CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), mambalab's largest
-    differences from it relative to its largest magnitude, and both sides' errors against the fp64 reference. Any failure (TileLang compiles on the first call) is
-    recorded, not raised."""
+    differences from it relative to its largest magnitude, and both sides' errors against the fp64 reference.
+    Its times include the four small gathers of :func:`theirs_mimo` (q, k and biases into its rotary layout).
+    Any failure (TileLang compiles on the first call) is recorded, not raised."""
     out = {}
     try:
         out["times"] = measure(theirs_mimo, x4, m4, 16, dout, reps)

@@ -69,3 +69,14 @@ def make_mamba3_inputs(b, l, h, p, g, n, r, a, *, D=True, z=True, init=False, dt
         x["initial_state"] = Mamba3State(rn(b, h, a).to(device), rn(b, h, p, n).to(device),
                                          rn(b, h, r, n).to(device), rn(b, h, p).to(device))
     return x
+
+
+def rotate_halves(x, theta):
+    """mamba-ssm's MIMO rotary layout, written out: the pairs (x[i], x[i + n/2]) turn by θ[i] for i < a, the
+    rest stays. x (..., n); theta (..., a) broadcastable to x's leading axes."""
+    a, m = theta.shape[-1], x.shape[-1] // 2
+    x0, x1 = x[..., :a], x[..., m:m + a]
+    cos, sin = torch.cos(theta), torch.sin(theta)
+    out = x.clone()
+    out[..., :a], out[..., m:m + a] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return out

@@ -1,7 +1,7 @@
 """mambalab.kernels.mamba3 and mambalab.ops.mamba3_chunk_scan / mamba3_step against mambalab.ref.mamba3:
 forward, final state and every gradient; the rank cumsum kernel on its own; the backward's bits repeat; the
-decode kernel; bad input named before any launch. On a GPU also: larger shapes, and the SISO path against
-mamba-ssm's ``mamba3_siso_combined``.
+decode kernel; bad input named before any launch. On a GPU also: larger shapes, and SISO against mamba-ssm's
+``mamba3_siso_combined``, MIMO r = 4 against its ``mamba3_mimo`` (where TileLang is installed).
 
 On the CPU the kernels run in Triton's interpreter, in fp32; the shapes are tiny (p, n >= 16 for tl.dot)."""
 import math
@@ -15,8 +15,8 @@ from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cu
                                      rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, mamba3_chunked,
-                                 mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, halves_order,
+                                 mamba3_chunked, mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
 
@@ -404,14 +404,34 @@ def test_gpu_bf16_matches_reference_and_repeats():
         assert torch.equal(a, b)
 
 
-@requires_gpu
-def test_gpu_siso_matches_mamba_ssm():
-    """SISO against mamba-ssm's mamba3_siso_combined, bf16, forward and gradients.
+def _mamba_ssm_scan(r, n, a):
+    """mamba-ssm's scan for rank r as f(q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z, mimo) in our
+    layouts (r = 1: mamba3_siso_combined, chunk 64; r > 1: mamba3_mimo, TileLang, chunk 64 / r), and the
+    permutation of n under which our kernels compute it (:func:`mambalab.ref.mamba3.halves_order`: its MIMO
+    rotates the pairs (i, i + n/2), its SISO and our kernels (2i, 2i+1)). It takes ADT, DT, Trap as (b, h, l),
+    Trap before its sigmoid (in the activations' dtype for MIMO) and Angles before π·tanh; q, k without a rank
+    axis and biases (h, n) for SISO."""
+    from mambalab import oracle
+    t = lambda x: x.transpose(1, 2)
+    if r == 1:
+        siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
+        return 64, lambda q, k, v, adt, dt, trap, qb, kb, ang, D, z, mimo: siso(
+            q[:, :, 0], k[:, :, 0], v, t(adt), t(dt), t(trap), qb[:, 0], kb[:, 0], ang, D, z, chunk_size=64), None
+    pytest.importorskip("tilelang", reason="mamba-ssm's MIMO kernels need TileLang (tilelang==0.1.8)")
+    mimo_scan = oracle.module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
+    return 64 // r, lambda q, k, v, adt, dt, trap, qb, kb, ang, D, z, mimo: mimo_scan(
+        q, k, v, t(adt), t(dt), t(trap).to(v.dtype), qb, kb, *mimo, ang, D, z, chunk_size=64 // r,
+        rotary_dim_divisor=n // a, dtype=v.dtype), halves_order(n, a, device="cuda")
 
-    Layouts: theirs takes ADT, DT, Trap as (b, h, l), Trap before its sigmoid and Angles before π·tanh (it
-    forms θ = cumsum(π tanh(Angles) · DT) inside); ours takes λ = sigmoid(Trap) and π·tanh(Angles) directly,
-    q, k with a rank axis and biases (h, r, n). Tolerance: max |ours - theirs| <= 3e-2 · (max |theirs| + 1)
-    for the output, 5e-2 for gradients (bf16 inputs; theirs uses approximate sin/cos/sigmoid/tanh).
+
+@requires_gpu
+@pytest.mark.parametrize("r", [1, 4], ids=["siso", "mimo4"])
+def test_gpu_matches_mamba_ssm(r):
+    """Against mamba-ssm's own kernels, bf16, forward and gradients: SISO against mamba3_siso_combined, MIMO
+    r = 4 against mamba3_mimo (TileLang; skipped without it) with q, k and their biases handed to ours in
+    :func:`~mambalab.ref.mamba3.halves_order` (its MIMO rotates the pairs (i, i + n/2)). Tolerance: max |ours -
+    theirs| <= 3e-2 · (max |theirs| + 1) for the output, 5e-2 for gradients (bf16 inputs; theirs uses
+    approximate sin/cos/sigmoid/tanh).
 
     d angles is the exception: in bf16 it is ill-conditioned for both sides (a reverse cumulative sum over l
     of dθ terms that mostly cancel; at the benchmark's shape each side is 8-9 % of its scale away from the
@@ -420,39 +440,47 @@ def test_gpu_siso_matches_mamba_ssm():
     than 1.25 × theirs + 1e-2 (relative to the reference's scale).
     """
     from mambalab import oracle
-    siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
     b, l, h, p, g, n, a = 2, 256, 8, 64, 1, 128, 32
+    chunk, theirs_fn, order = _mamba_ssm_scan(r, n, a)
     gen = torch.Generator(device="cuda").manual_seed(0)
     rn = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device="cuda").to(dt)
-    q, k, v, z = rn(b, l, g, n), rn(b, l, g, n), rn(b, l, h, p), rn(b, l, h, p)
+    q, k, v, z = rn(b, l, r, g, n), rn(b, l, r, g, n), rn(b, l, h, p), rn(b, l, h, p)
     dt = F.softplus(rn(b, l, h, dt=torch.float32) - 1)
     adt = -dt * torch.exp(rn(h, dt=torch.float32))
     trap_raw, ang_raw = rn(b, l, h, dt=torch.float32), rn(b, l, h, a, dt=torch.float32)
-    q_bias, k_bias = 1 + 0.1 * rn(h, n, dt=torch.float32), 1 + 0.1 * rn(h, n, dt=torch.float32)
+    q_bias, k_bias = 1 + 0.1 * rn(h, r, n, dt=torch.float32), 1 + 0.1 * rn(h, r, n, dt=torch.float32)
     D = rn(h, dt=torch.float32)
-    ours_in = [q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z]
-    for t in ours_in:
-        t.requires_grad_(True)
+    mimo = [(1 + 0.1 * rn(h, r, p, dt=torch.float32)) / s for s in (r, 1, r)] if r > 1 else []   # W^V, W^Z, W^O
+    ins = [q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z, *mimo]
+    for x in ins:
+        x.requires_grad_(True)
     with oracle.single_config("mamba_ssm.ops.triton.mamba3"):   # no minutes of autotuning first
-        theirs = siso(q, k, v, adt.transpose(1, 2), dt.transpose(1, 2), trap_raw.transpose(1, 2), q_bias, k_bias,
-                      ang_raw, D, z, chunk_size=64)
+        theirs = theirs_fn(*ins[:11], mimo)
         dy = torch.randn(theirs.shape, generator=gen, device="cuda").to(theirs.dtype)
-        g_theirs = torch.autograd.grad((theirs * dy).sum(), ours_in)
-    ours = mamba3_chunk_scan(q[:, :, None], k[:, :, None], v, adt, dt, torch.sigmoid(trap_raw), q_bias[:, None],
-                             k_bias[:, None], math.pi * torch.tanh(ang_raw), D, z, chunk_size=64)
-    assert_close(ours, theirs, "out vs mamba3_siso_combined", 3e-2)
-    g_ours = torch.autograd.grad((ours * dy).sum(), ours_in)
-    names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z")
+        g_theirs = torch.autograd.grad((theirs * dy).sum(), ins)
+
+    def ours_fn(q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z, *mimo):
+        if order is not None:
+            q, k, q_bias, k_bias = (x[..., order] for x in (q, k, q_bias, k_bias))
+        kw = dict(zip(("mimo_v", "mimo_z", "mimo_o"), mimo))
+        scan = mamba3_chunked if q.dtype == torch.float64 else mamba3_chunk_scan
+        return scan(q, k, v, adt, dt, torch.sigmoid(trap_raw), q_bias, k_bias, math.pi * torch.tanh(ang_raw), D, z,
+                    **kw, chunk_size=chunk)
+
+    what = "mamba3_siso_combined" if r == 1 else "mamba3_mimo"
+    ours = ours_fn(*ins)
+    assert_close(ours, theirs, f"out vs {what}", 3e-2)
+    g_ours = torch.autograd.grad((ours * dy).sum(), ins)
+    names = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
+             "mimo_o")
     for name, go, gt in zip(names, g_ours, g_theirs):
         if name != "angles":
-            assert_close(go, gt, f"d {name} vs mamba3_siso_combined", 5e-2)
-    exact = [t.detach().double().requires_grad_(True) for t in ours_in]
-    eq, ek, ev, eadt, edt, etrap, eqb, ekb, eang, eD, ez = exact
-    want = mamba3_chunked(eq[:, :, None], ek[:, :, None], ev, eadt, edt, torch.sigmoid(etrap), eqb[:, None],
-                          ekb[:, None], math.pi * torch.tanh(eang), eD, ez, chunk_size=64)
-    d_exact = torch.autograd.grad((want * dy.double()).sum(), eang)[0]
+            assert_close(go, gt, f"d {name} vs {what}", 5e-2)
+    exact = [x.detach().double().requires_grad_(True) for x in ins]
+    want = ours_fn(*exact)
+    d_exact = torch.autograd.grad((want * dy.double()).sum(), exact[8])[0]
     scale = d_exact.abs().max().item() + 1.0
     err = lambda got: (got.double() - d_exact).abs().max().item() / scale
     i = names.index("angles")
     assert err(g_ours[i]) <= 1.25 * err(g_theirs[i]) + 1e-2, (
-        f"d angles: ours {err(g_ours[i]):.3g} from the fp64 reference, mamba3_siso_combined {err(g_theirs[i]):.3g}")
+        f"d angles: ours {err(g_ours[i]):.3g} from the fp64 reference, {what} {err(g_theirs[i]):.3g}")

@@ -1,13 +1,15 @@
 """mambalab.modules.Mamba3: decoding step by step equals the full forward (SISO and MIMO, from zero and after a
 prefill), the Triton and reference backends agree in outputs and gradients, every parameter learns, the
 parameter count is about 6 d_model², state dicts interchange with mamba-ssm's Mamba3, bad arguments fail
-clearly. On a GPU: mamba-ssm's SISO Mamba3 (its Triton kernel) computes what ours does."""
+clearly, a MIMO block rotates the pairs mamba-ssm's MIMO rotates. On a GPU: mamba-ssm's Mamba3 computes what ours
+does, SISO (its Triton kernel) and MIMO (its TileLang kernels, where TileLang is installed)."""
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, requires_gpu
+from conftest import KERNEL_DEVICE, requires_gpu, rotate_halves
 from mambalab import oracle
 from mambalab.modules import Mamba3
+from mambalab.ref import mamba3 as ref
 
 # Tiny shapes: the Triton backend runs in the interpreter on a CPU. d_inner = 32 → h = 4 heads of p = 8.
 D_MODEL, D_STATE, HEADDIM, NGROUPS = 16, 8, 8, 2
@@ -107,6 +109,25 @@ def test_rope_fraction_zero_is_the_rotary_model_with_its_angles_zeroed():
         assert (real(u) - rotary(u)).abs().max() > 1e-3
 
 
+def test_mimo_block_rotates_the_pairs_mamba_ssm_mimo_rotates(monkeypatch):
+    """mamba-ssm's MIMO turns the pairs (i, i + n/2) of q and k where its SISO (and our kernels) turn (2i, 2i+1).
+    A MIMO block computes the former: its scan, handed q, k and their biases in the natural n order and run
+    with the (i, i + n/2) rotation written out (conftest.rotate_halves), gives the block's output."""
+    m = make(is_mimo=True, rope_fraction=1.0)   # a = n/2: every pair turns
+    u = inputs()
+    with torch.no_grad():
+        y = m(u)
+        scan = m.scan_inputs(m.in_proj(u))
+        natural = torch.argsort(m.pair_order)
+        for name in ("q", "k", "q_bias", "k_bias"):
+            scan[name] = scan[name][..., natural]
+        adjacent = m.out_proj(ref.mamba3_recurrent(**scan).flatten(-2))
+        monkeypatch.setattr(ref, "rotate_pairs", rotate_halves)
+        halves = m.out_proj(ref.mamba3_recurrent(**scan).flatten(-2))
+    torch.testing.assert_close(halves, y, atol=1e-12, rtol=1e-10)
+    assert (adjacent - y).abs().max() > 1e-3 * y.abs().max()   # the layout matters
+
+
 @pytest.mark.parametrize("d_model", [768, 2048])
 @pytest.mark.parametrize("is_mimo", [False, True], ids=["siso", "mimo"])
 def test_parameter_count_is_about_six_d_model_squared(d_model, is_mimo):
@@ -165,13 +186,24 @@ def test_bad_inputs_fail_clearly():
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_siso_matches_mamba_ssm_mamba3_on_gpu(dtype):
-    """mamba-ssm's Mamba3 (SISO, its Triton kernel mamba3_siso_combined) loaded with our weights. Its kernels
-    use a fast tanh approximation and bf16/tf32 products, hence the tolerance: 2% of the output's scale."""
-    theirs = oracle.module("modules.mamba3").Mamba3(256, d_state=64, headdim=64, chunk_size=64,
-                                                    device="cuda", dtype=dtype)
-    ours = Mamba3(256, d_state=64, headdim=64, chunk_size=64, device="cuda", dtype=dtype)
+@pytest.mark.parametrize("dtype, is_mimo", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
+                         ids=["siso-fp32", "siso-bf16", "mimo4-bf16"])
+def test_matches_mamba_ssm_mamba3_on_gpu(dtype, is_mimo):
+    """mamba-ssm's Mamba3 loaded with our weights: SISO on its Triton kernel mamba3_siso_combined, MIMO r = 4
+    on its TileLang kernels (skipped without TileLang; its MIMO rotates the pairs (i, i + n/2), which our block
+    matches by permuting n, and the weights here are moved off their initial values so that a rank or a pair
+    mixed up shows). Its kernels use a fast tanh approximation and bf16/tf32 products, hence the tolerance: 2%
+    of the output's scale. The shape is tests/test_mamba3_kernels.py's MIMO comparison's, so that TileLang
+    compiles its kernels once for both."""
+    if is_mimo:
+        pytest.importorskip("tilelang", reason="mamba-ssm's MIMO kernels need TileLang (tilelang==0.1.8)")
+    kw = dict(d_state=128, headdim=64, is_mimo=is_mimo, mimo_rank=4, chunk_size=16 if is_mimo else 64,
+              device="cuda", dtype=dtype)
+    theirs = oracle.module("modules.mamba3").Mamba3(256, **kw)
+    ours = Mamba3(256, **kw)
+    with torch.no_grad():
+        for param in theirs.parameters():
+            param.mul_(1 + 0.1 * torch.randn_like(param))
     ours.load_state_dict(theirs.state_dict())
     u = torch.randn(2, 256, 256, device="cuda", dtype=dtype)
     with torch.no_grad(), oracle.single_config("mamba_ssm.ops.triton.mamba3"):   # no minutes of autotuning

@@ -6,11 +6,11 @@ import math
 import pytest
 import torch
 
-from mambalab.ref.mamba3 import (Mamba3State, mamba3_chunked, mamba3_quadratic, mamba3_recurrent, mamba3_step_ref,
-                                 rotate_pairs, scan_weights, step_weights, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, halves_order, mamba3_chunked, mamba3_quadratic, mamba3_recurrent,
+                                 mamba3_step_ref, rotate_pairs, scan_weights, step_weights, zero_state)
 from mambalab.ref.ssd import ssd_recurrent
 
-from conftest import make_mamba3_inputs
+from conftest import make_mamba3_inputs, rotate_halves
 
 STATE_FIELDS = Mamba3State._fields
 SEQUENCE = ("q", "k", "v", "adt", "dt", "trap", "angles", "z")  # the inputs with an l axis
@@ -185,6 +185,18 @@ def test_rotation_keeps_norms_and_leaves_unturned_pairs():
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
     torch.testing.assert_close(y[:, 6:], x[:, 6:])
     torch.testing.assert_close(rotate_pairs(y, -theta), x)
+
+
+@pytest.mark.parametrize("n, a", [(8, 1), (8, 3), (8, 4), (12, 2), (16, 8)])
+def test_halves_order_turns_the_halves_layout_into_adjacent_pairs(n, a):
+    """mamba-ssm's MIMO rotation (pairs (i, i + n/2)) is rotate_pairs after halves_order's permutation."""
+    x = torch.randn(5, n, dtype=torch.float64)
+    theta = torch.rand(5, a, dtype=torch.float64) * 2 * math.pi
+    order = halves_order(n, a)
+    assert sorted(order.tolist()) == list(range(n))
+    torch.testing.assert_close(rotate_pairs(x[:, order], theta)[:, torch.argsort(order)], rotate_halves(x, theta))
+    if a:   # and the two layouts differ: the permutation is needed
+        assert (rotate_pairs(x, theta) - rotate_halves(x, theta)).abs().max() > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------- bad input

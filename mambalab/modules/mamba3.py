@@ -2,10 +2,13 @@
 (complex) state, the exponential-trapezoidal recurrence, and an optional MIMO up/down projection.
 
 Parameter names, shapes and initialisation follow mamba-ssm's ``Mamba3`` (``mamba_ssm.modules.mamba3``), so a
-state dict saved from one loads into the other. A loaded SISO block should compute what mamba-ssm's does
-(tests/test_mamba3_module.py compares them on a GPU; mamba-ssm's kernels are GPU-only). mamba-ssm's MIMO
-kernel rotates the pairs (i, i + n/2) where ours rotates adjacent pairs, so a loaded MIMO block differs by
-that fixed permutation of q and k. mamba-ssm's optional ``is_outproj_norm`` is not provided.
+state dict saved from one loads into the other, and computes what mamba-ssm's does (tests/test_mamba3_module.py
+compares them on a GPU, SISO and MIMO; mamba-ssm's kernels are GPU-only). mamba-ssm rotates adjacent pairs
+(2i, 2i+1) of q and k in SISO but the pairs (i, i + n/2) in MIMO; our kernels rotate adjacent pairs, so a MIMO
+block hands them q, k and their biases with the n axis permuted (:func:`~mambalab.ref.mamba3.halves_order`),
+which computes mamba-ssm's MIMO function exactly (session 15 found the difference: before, a loaded MIMO
+block's output was 6 % of its scale away from mamba-ssm's). mamba-ssm's optional ``is_outproj_norm`` is not
+provided.
 
 With d = d_inner = expand · d_model channels cut into h = d / p heads of p = headdim channels, g = ngroups
 groups of B and C (n = d_state each), r = mimo_rank (1 without MIMO) and a = the number of rotary angle
@@ -40,8 +43,9 @@ module is cast to fp16 or bf16. The parameter count is about 6 d_model² (in_pro
 
 Decoding token by token (:meth:`Mamba3.step`) carries a :class:`~mambalab.ref.mamba3.Mamba3State` per
 sequence (:meth:`Mamba3.allocate_inference_cache`), in fp32: the accumulated angles (b, h, a), the state
-(b, h, p, n), and the previous token's k̂ (b, h, r, n) and v (b, h, p), which the trapezoidal rule needs. One
-step costs O(h r p n), whatever the position.
+(b, h, p, n), and the previous token's k̂ (b, h, r, n) and v (b, h, p), which the trapezoidal rule needs (in
+a MIMO block the n axes of the state and k̂ are in the permuted order above, the same for :meth:`forward`'s
+final state and :meth:`step`). One step costs O(h r p n), whatever the position.
 
 ``backend`` picks the scan: ``"triton"`` (:func:`mambalab.ops.mamba3_chunk_scan` and
 :func:`mambalab.ops.mamba3_step`, Triton kernels with autograd; on a CPU they run in Triton's interpreter) or
@@ -59,7 +63,7 @@ import torch.nn.functional as F
 
 from mambalab import validate
 from mambalab.modules.norm import GatedRMSNorm
-from mambalab.ref.mamba3 import zero_state
+from mambalab.ref.mamba3 import halves_order, zero_state
 
 __all__ = ["Mamba3", "BACKENDS", "MIMO_RANKS"]
 
@@ -171,6 +175,9 @@ class Mamba3(nn.Module):
             self.mimo_z = nn.Parameter(torch.ones(h, r, p, device=device))                    # W^Z
             self.mimo_o = nn.Parameter(torch.full((h, r, p), 1.0 / r, device=device))        # W^O
         self.D = nn.Parameter(torch.ones(h, device=device, dtype=torch.float32))
+        if self.is_mimo:   # mamba-ssm's MIMO rotary layout, pairs (i, i + n/2), as our kernels' adjacent pairs
+            self.register_buffer("pair_order", halves_order(n, self.num_rope_angles, device=device),
+                                 persistent=False)
         # Optimisers that honour it skip weight decay: decaying these towards 0 is not a regulariser.
         for name in ("dt_bias", "D"):
             getattr(self, name)._no_weight_decay = True
@@ -204,11 +211,13 @@ class Mamba3(nn.Module):
         dt = F.softplus(f(dd_dt) + self.dt_bias)                                  # (b, l, h)
         A = (-F.softplus(f(dd_A))).clamp(max=-self.A_floor)                       # (b, l, h)
         omega = math.pi * torch.tanh(f(angle))                                    # (b, l, a)
-        mimo = {}
+        q_bias, k_bias, mimo = self.C_bias, self.B_bias, {}
         if self.is_mimo:
             mimo = {"mimo_v": self.mimo_x, "mimo_z": self.mimo_z, "mimo_o": self.mimo_o}
+            # mamba-ssm's MIMO rotates the pairs (i, i + n/2): permute n so that they are adjacent pairs
+            q, k, q_bias, k_bias = (t[..., self.pair_order] for t in (q, k, q_bias, k_bias))
         return dict(q=q, k=k, v=x.unflatten(-1, (h, p)), adt=A * dt, dt=dt,
-                    trap=torch.sigmoid(f(trap)), q_bias=self.C_bias, k_bias=self.B_bias,
+                    trap=torch.sigmoid(f(trap)), q_bias=q_bias, k_bias=k_bias,
                     angles=omega.unsqueeze(-2).expand(*omega.shape[:-1], h, self.num_rope_angles),  # (b, l, h, a)
                     D=self.D, z=z.unflatten(-1, (h, p)), **mimo)
 

@@ -15,8 +15,9 @@ trapezoid weight λ_t in [0, 1] (``trap``) and, for r = 1 … R,
     out_t    = Σ_r W^O_r ⊙ y_{t,r}                                    (r = 1: out_t = y_{t,1})
 
 Rot(θ) turns the pairs (k[2i], k[2i+1]) by θ[i] for i < a and leaves the other dimensions alone (the
-"pairwise" layout of mamba-ssm's SISO kernel; its MIMO kernel pairs (i, i + n/2) instead, a fixed
-permutation of the state that learned projections absorb). Rotating q and k by the same cumulative angle is
+"pairwise" layout of mamba-ssm's SISO kernel). mamba-ssm's MIMO kernels pair (k[i], k[i + n/2]) instead: the
+same rotation after a fixed permutation of the n axis, applied alike to q, k and their biases
+(:func:`halves_order`; the Mamba3 module applies it when it is MIMO). Rotating q and k by the same cumulative angle is
 the rotary trick: q̂_t · k̂_s = (q_t + b^Q) · Rot(θ_s - θ_t)(k_s + b^K), so the real state of size n behaves
 like a complex state of size n/2 whose eigenvalues α e^{iΔ angle} turn as well as decay.
 
@@ -167,6 +168,22 @@ def rotate_pairs(x: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
     cos, sin = torch.cos(theta), torch.sin(theta)
     turned = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)  # (..., a, 2)
     return torch.cat((turned.flatten(-2), x[..., 2 * a:]), dim=-1)
+
+
+def halves_order(n: int, a: int, device=None) -> torch.Tensor:
+    """The permutation of the n axis that turns the "halves" rotary layout into :func:`rotate_pairs`' adjacent
+    one: an index (n,) such that x[..., order] puts the pair (x[i], x[i + n/2]) at (2i, 2i+1) for i < a, and
+    the dimensions no pair turns, [a, n/2) then [n/2 + a, n), after them in their order. Hence
+
+        Rot_halves(θ) x = (Rot(θ) x[..., order])[..., argsort(order)]
+
+    and, as dot products ignore a common permutation of both sides, a scan over q[..., order], k[..., order]
+    (biases likewise) computes what mamba-ssm's MIMO kernels compute over q and k; only the state's n axis
+    comes out in the permuted order."""
+    i = torch.arange(a, device=device)
+    turned = torch.stack((i, i + n // 2), dim=-1).flatten()                   # (2a,): i, i + n/2, …
+    plain = torch.cat((torch.arange(a, n // 2, device=device), torch.arange(n // 2 + a, n, device=device)))
+    return torch.cat((turned, plain))
 
 
 def per_head(x: torch.Tensor, h: int) -> torch.Tensor:
