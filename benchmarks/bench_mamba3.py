@@ -15,7 +15,9 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   against mambalab's fp64 reference; forward+backward replayed as CUDA graphs (GPU time without the host's
   per-call work), SISO both sides and MIMO r=4 at each chunk size.
 * ``--mimo-rival``: last, mamba-ssm's MIMO r=4 (``mamba3_mimo``, TileLang) timed the same ways, its MIMO / SISO
-  ratio, and mambalab's MIMO differences from it (needs tilelang==0.1.8 on the machine: not yet run successfully).
+  ratio, mambalab's MIMO differences from it and both sides' errors against the fp64 reference (needs
+  tilelang==0.1.8 with apache-tvm-ffi 0.1.9: benchmarks/tilelang_wheels.sh; first run in session 15). Its MIMO
+  turns the rotary pairs (i, i + n/2): it gets q, k and their biases in that layout (:func:`theirs_mimo`).
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
