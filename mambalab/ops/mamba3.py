@@ -175,6 +175,10 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     reduction: how the SSD backward sums over programs: "deterministic" (per-program partials folded in a
         fixed order by :func:`mambalab.kernels.reduce.sum_partials`; None means this) or "atomic".
 
+    Rotary layout: the pairs (2i, 2i+1) of q̂, k̂ turn (mamba-ssm's SISO layout). mamba-ssm's MIMO (``mamba3_mimo``)
+    turns (i, i + n/2): to compute its function, pass q, k, q_bias, k_bias indexed by
+    :func:`mambalab.ref.mamba3.halves_order` on their last axis, as :class:`mambalab.modules.Mamba3` does.
+
     Returns out (b, l, h, p) in v's dtype, or (out, final state). Inputs fp32/fp16/bf16: q, k, v, z are read
     in their dtype on a GPU (fp32 on the CPU interpreter), q̂, k̂ and the scan's inputs written in v's dtype;
     step sizes and their weights γ, σ, angles, biases, W's and the state are fp32. The within-step terms (a
