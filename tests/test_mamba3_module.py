@@ -118,7 +118,7 @@ def test_mimo_block_rotates_the_pairs_mamba_ssm_mimo_rotates(monkeypatch):
     with torch.no_grad():
         y = m(u)
         scan = m.scan_inputs(m.in_proj(u))
-        natural = torch.argsort(m.pair_order)
+        natural = torch.argsort(m.pair_order(u.device))
         for name in ("q", "k", "q_bias", "k_bias"):
             scan[name] = scan[name][..., natural]
         adjacent = m.out_proj(ref.mamba3_recurrent(**scan).flatten(-2))
@@ -126,6 +126,20 @@ def test_mimo_block_rotates_the_pairs_mamba_ssm_mimo_rotates(monkeypatch):
         halves = m.out_proj(ref.mamba3_recurrent(**scan).flatten(-2))
     torch.testing.assert_close(halves, y, atol=1e-12, rtol=1e-10)
     assert (adjacent - y).abs().max() > 1e-3 * y.abs().max()   # the layout matters
+
+
+@pytest.mark.parametrize("is_mimo", [False, True], ids=["siso", "mimo"])
+def test_block_built_on_meta_then_materialised_computes_the_same(is_mimo):
+    """Built on the meta device, materialised with to_empty and loaded from a state dict (how large models are
+    built): nothing the block computes with may live outside its state dict (MIMO's permutation of n did, in a
+    buffer, at 4812fc5: to_empty left it uninitialised, and the MIMO block indexed with garbage)."""
+    m = make(is_mimo)
+    lazy = Mamba3(D_MODEL, d_state=D_STATE, headdim=HEADDIM, ngroups=NGROUPS, is_mimo=is_mimo, mimo_rank=2,
+                  chunk_size=m.chunk_size, backend="reference", device="meta").to_empty(device="cpu").double()
+    lazy.load_state_dict(m.state_dict())
+    u = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(lazy(u), m(u), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("d_model", [768, 2048])

@@ -175,9 +175,7 @@ class Mamba3(nn.Module):
             self.mimo_z = nn.Parameter(torch.ones(h, r, p, device=device))                    # W^Z
             self.mimo_o = nn.Parameter(torch.full((h, r, p), 1.0 / r, device=device))        # W^O
         self.D = nn.Parameter(torch.ones(h, device=device, dtype=torch.float32))
-        if self.is_mimo:   # mamba-ssm's MIMO rotary layout, pairs (i, i + n/2), as our kernels' adjacent pairs
-            self.register_buffer("pair_order", halves_order(n, self.num_rope_angles, device=device),
-                                 persistent=False)
+        self._pair_orders = {}   # MIMO: halves_order by device (:meth:`pair_order`)
         # Optimisers that honour it skip weight decay: decaying these towards 0 is not a regulariser.
         for name in ("dt_bias", "D"):
             getattr(self, name)._no_weight_decay = True
@@ -200,6 +198,15 @@ class Mamba3(nn.Module):
                 param.data = param.data.float()
         return self
 
+    def pair_order(self, device) -> torch.Tensor:
+        """MIMO's permutation of n (:func:`~mambalab.ref.mamba3.halves_order`: mamba-ssm's MIMO rotates the pairs
+        (i, i + n/2), our kernels adjacent pairs), made once per device. Not a buffer: a block built on the
+        meta device and materialised with ``to_empty`` would hold uninitialised memory in it."""
+        order = self._pair_orders.get(device)
+        if order is None:
+            order = self._pair_orders[device] = halves_order(self.d_state, self.num_rope_angles, device=device)
+        return order
+
     def scan_inputs(self, projected: torch.Tensor) -> dict:
         """in_proj's output (..., sum(split_sizes)) -> the scan's keyword arguments, for a sequence
         (... = b, l) or one token (... = b). Shapes below for the sequence; a token drops l."""
@@ -215,7 +222,8 @@ class Mamba3(nn.Module):
         if self.is_mimo:
             mimo = {"mimo_v": self.mimo_x, "mimo_z": self.mimo_z, "mimo_o": self.mimo_o}
             # mamba-ssm's MIMO rotates the pairs (i, i + n/2): permute n so that they are adjacent pairs
-            q, k, q_bias, k_bias = (t[..., self.pair_order] for t in (q, k, q_bias, k_bias))
+            order = self.pair_order(q.device)
+            q, k, q_bias, k_bias = (t[..., order] for t in (q, k, q_bias, k_bias))
         return dict(q=q, k=k, v=x.unflatten(-1, (h, p)), adt=A * dt, dt=dt,
                     trap=torch.sigmoid(f(trap)), q_bias=q_bias, k_bias=k_bias,
                     angles=omega.unsqueeze(-2).expand(*omega.shape[:-1], h, self.num_rope_angles),  # (b, l, h, a)
