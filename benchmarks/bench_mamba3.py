@@ -17,7 +17,10 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
 * ``--mimo-rival``: last, mamba-ssm's MIMO r=4 (``mamba3_mimo``, TileLang) timed the same ways, its MIMO / SISO
   ratio, mambalab's MIMO differences from it and both sides' errors against the fp64 reference (needs
   tilelang==0.1.8 with apache-tvm-ffi 0.1.9: benchmarks/tilelang_wheels.sh; first run in session 15). Its MIMO
-  turns the rotary pairs (i, i + n/2): it gets q, k and their biases in that layout (:func:`theirs_mimo`).
+  turns the rotary pairs (i, i + n/2): :func:`mambalab.oracle.mamba3_scan` hands it q, k and their biases in
+  that layout.
+* ``--blocks D_MODEL...``: last, whole Mamba3 blocks (in and out projections, norms, the scan between) SISO and
+  MIMO r=4, mambalab's and mamba-ssm's with the same weights, forward+backward as CUDA graphs (:func:`blocks`).
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
@@ -71,56 +74,80 @@ def ours(x, mimo, chunk):
 
 
 def theirs(x, mimo, chunk):
+    """mamba-ssm's scan on the same inputs (:func:`mambalab.oracle.mamba3_scan`): ``mamba3_siso_combined`` for
+    r = 1, ``mamba3_mimo`` (TileLang) with the rank weights. Its times include that adapter's transposes and, for
+    MIMO, the four small gathers of q, k and their biases into its rotary layout."""
     from mambalab import oracle
 
-    siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
-    t = lambda v: v.transpose(1, 2)
-    return siso(x["q"][:, :, 0], x["k"][:, :, 0], x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]),
-                x["q_bias"][:, 0], x["k_bias"][:, 0], x["angles"], x["D"], x["z"], chunk_size=chunk)
-
-
-def theirs_mimo(x, mimo, chunk):
-    """mamba-ssm's MIMO scan, ``mamba3_mimo`` (TileLang kernels). mamba-ssm 2.3.2 pins tilelang==0.1.8; with
-    tilelang 0.1.15 its kernels did not compile on the H200 (session 14: TVM's "ReduceOp cannot lower a layout").
-    Its kernel takes trap in the activations' dtype (bf16), the rest as mambalab's scan does, but for the rotary
-    layout (below)."""
-    from mambalab import oracle
-    from mambalab.ref.mamba3 import halves_order
-
-    mimo_scan = oracle.module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
-    t = lambda v: v.transpose(1, 2)
-    n, a = x["q"].shape[-1], x["angles"].shape[-1]
-    # its MIMO turns the pairs (i, i + n/2) where ours turns (2i, 2i+1): hand it q, k and biases in the order
-    # whose (i, i + n/2) pairs are ours (ref.mamba3.halves_order), so that both compute one function
-    natural = torch.argsort(halves_order(n, a, device=x["q"].device))
-    q, k, q_bias, k_bias = (x[name][..., natural] for name in ("q", "k", "q_bias", "k_bias"))
-    return mimo_scan(q, k, x["v"], t(x["adt"]), t(x["dt"]), t(x["trap"]).bfloat16(), q_bias, k_bias,
-                     mimo["mimo_v"], mimo["mimo_z"], mimo["mimo_o"], x["angles"], x["D"], x["z"],
-                     chunk_size=chunk, rotary_dim_divisor=n // a, dtype=torch.bfloat16)
+    return oracle.mamba3_scan(*(x[name] for name in NAMES), **mimo, chunk_size=chunk)
 
 
 def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
     """mamba-ssm's MIMO r=4 (chunk 16) against its SISO and against mambalab's MIMO: its times (eager, and as a
     CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), mambalab's largest
     differences from it relative to its largest magnitude, and both sides' errors against the fp64 reference.
-    Its times include the four small gathers of :func:`theirs_mimo` (q, k and biases into its rotary layout).
+    Its times include the four small gathers of :func:`theirs` (q, k and biases into its rotary layout).
     Any failure (TileLang compiles on the first call) is recorded, not raised."""
     out = {}
     try:
-        out["times"] = measure(theirs_mimo, x4, m4, 16, dout, reps)
-        o_t, g_t = run(theirs_mimo, x4, m4, 16, dout)
+        out["times"] = measure(theirs, x4, m4, 16, dout, reps)
+        o_t, g_t = run(theirs, x4, m4, 16, dout)
         o_o, g_o = run(ours, x4, m4, 16, dout)
         rel = lambda u, w: ((u.float() - w.float()).abs().max() / w.float().abs().max()).item()
         out["mambalab_vs_mamba_ssm_relative"] = {"out": rel(o_o, o_t),
                                                  **{k: rel(g_o[k], g_t[k]) for k in g_t if g_t[k] is not None}}
         out["errors_vs_fp64_reference"] = reference_errors(x4, m4, dout, {"mambalab": (o_o, g_o),
                                                                            "mamba_ssm": (o_t, g_t)})
-        out["graph_ms"] = graph_ms(lambda: run(theirs_mimo, x4, m4, 16, dout))
+        out["graph_ms"] = graph_ms(lambda: run(theirs, x4, m4, 16, dout))
         if siso_graph_ms:
             out["mimo4_over_siso_fwd_bwd_graph"] = out["graph_ms"] / siso_graph_ms
     except Exception as e:  # noqa: BLE001 - keep what was measured, say why the rest is missing
         out["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
     return out
+
+
+def blocks(d_models, b, l, mimo_rival):
+    """Whole Mamba3 blocks, forward+backward of (b, l, d_model) bf16 replayed as CUDA graphs: mambalab's
+    :class:`~mambalab.modules.Mamba3` SISO (chunk 64) and MIMO r=4 (chunk 16) at each d_model with the
+    benchmark's state (d_state 128, headdim 64, one group, rope_fraction 0.5), and mamba-ssm's Mamba3 with the
+    same weights (its MIMO only with ``mimo_rival``). The projections around the scan are the same for SISO and
+    MIMO but for MIMO's rank-wide B, C and its W's, so a block's MIMO / SISO ratio says what MIMO costs in a
+    layer, where the scan's ratio says what it costs in the scan alone. Failures are recorded, not raised."""
+    from mambalab import oracle
+    from mambalab.modules import Mamba3
+
+    result = {}
+    for d_model in d_models:
+        row = {}
+        for name, kw in (("siso_c64", dict(is_mimo=False, chunk_size=64)),
+                         ("mimo4_c16", dict(is_mimo=True, mimo_rank=4, chunk_size=16))):
+            kw = dict(kw, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
+            ours = Mamba3(d_model, **kw)
+            case = {"parameters": sum(t.numel() for t in ours.parameters())}
+            u = torch.randn(b, l, d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            dout = torch.randn_like(u)
+            sides = [("mambalab_ms", ours)]
+            if mimo_rival or not kw["is_mimo"]:
+                try:
+                    theirs = oracle.module("modules.mamba3").Mamba3(d_model, **kw)
+                    theirs.load_state_dict(ours.state_dict())
+                    sides.append(("mamba_ssm_ms", theirs))
+                except Exception as e:  # noqa: BLE001
+                    case["mamba_ssm_ms"] = f"{type(e).__name__}: {str(e)[:500]}"
+            for key, block in sides:
+                try:
+                    case[key] = graph_ms(lambda: block(u).backward(dout))
+                except Exception as e:  # noqa: BLE001
+                    case[key] = f"{type(e).__name__}: {str(e)[:500]}"
+            if all(isinstance(case.get(k), float) for k in ("mambalab_ms", "mamba_ssm_ms")):
+                case["mambalab_over_mamba_ssm"] = case["mambalab_ms"] / case["mamba_ssm_ms"]
+            row[name] = case
+            print("block", d_model, name, case, flush=True)
+        for key in ("mambalab_ms", "mamba_ssm_ms"):
+            if all(isinstance(row[c].get(key), float) for c in row):
+                row[f"mimo4_over_siso_{key[:-3]}"] = row["mimo4_c16"][key] / row["siso_c64"][key]
+        result[f"d_model_{d_model}"] = row
+    return result
 
 
 def run(fn, x, mimo, chunk, dout=None):
@@ -151,7 +178,7 @@ def compile_part(part: str, shape) -> None:
     b, l, h, p, g, n, a = shape
     if part == "mimo":
         x4, m4 = make(b, l, h, p, g, n, a, 4)
-        run(theirs_mimo, x4, m4, 16, torch.randn(b, l, h, p, device="cuda").bfloat16())
+        run(theirs, x4, m4, 16, torch.randn(b, l, h, p, device="cuda").bfloat16())
         torch.cuda.synchronize()
         return
     oracle.module("ops.triton.mamba3.mamba3_siso_combined")
@@ -234,6 +261,9 @@ def main():
                     help="also record where mambalab's SISO and MIMO r=4 forward+backward spend their time")
     ap.add_argument("--mimo-rival", action="store_true",
                     help="last of all, also time mamba-ssm's MIMO r=4 (TileLang; needs tilelang==0.1.8 importable)")
+    ap.add_argument("--blocks", type=int, nargs="*", default=[], metavar="D_MODEL",
+                    help="last, also time whole Mamba3 blocks (SISO and MIMO r=4, both sides) at these d_model, "
+                         "at the shape's b and l (1024 gives the shape's 32 heads)")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -332,6 +362,9 @@ def main():
                                                    siso_graph if isinstance(siso_graph, float) else None)
         print("mamba_ssm_mimo4_c16", result["mamba_ssm_mimo4_c16"], flush=True)
     write(Path(args.out) / "bench_mamba3.json", result)
+    if args.blocks:
+        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival)
+        write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 
 

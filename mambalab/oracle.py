@@ -127,3 +127,35 @@ def single_config(module_prefix: str = "mamba_ssm.ops.triton", smallest: bool = 
     finally:
         for t, configs in saved:
             t.configs = configs
+
+
+def mamba3_scan(q, k, v, adt, dt, trap_raw, q_bias, k_bias, angles_raw, D=None, z=None, mimo_v=None, mimo_z=None,
+                mimo_o=None, chunk_size=None):
+    """mamba-ssm's Mamba-3 scan, called in :func:`mambalab.ops.mamba3_chunk_scan`'s layouts so that it computes
+    the same function: the one adapter from our calling convention to mamba-ssm's (tests and benchmarks
+    compare through it). GPU only (mamba-ssm's kernels are Triton and TileLang).
+
+    Shapes as ours: q, k (b, l, r, g, n); v, z (b, l, h, p); adt, dt (b, l, h); q_bias, k_bias (h, r, n);
+    D (h,); mimo_v, mimo_z, mimo_o (h, r, p) for r > 1. Unlike ours, ``trap_raw`` (b, l, h) and ``angles_raw``
+    (b, l, h, a) come before their sigmoid and π·tanh: mamba-ssm applies those inside its kernels.
+
+    r = 1: ``mamba3_siso_combined`` (Triton), chunk_size 64 unless given. r > 1: ``mamba3_mimo`` (TileLang; needs
+    tilelang==0.1.8 importable), chunk_size 64 / r unless given, trap in v's dtype (its kernel's check). Its MIMO
+    turns the rotary pairs (i, i + n/2) where ours turn (2i, 2i+1), so q, k and their biases go to it in the
+    order whose (i, i + n/2) pairs are ours (``argsort`` of :func:`mambalab.ref.mamba3.halves_order`).
+    Returns out (b, l, h, p) in v's dtype, with gradients to every input through mamba-ssm's backward."""
+    import torch
+
+    from mambalab.ref.mamba3 import halves_order
+
+    t = lambda x: x.transpose(1, 2)                                   # (b, l, h, ...) -> its (b, h, l, ...)
+    r, n, a = q.shape[2], q.shape[-1], angles_raw.shape[-1]
+    if r == 1:
+        siso = module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
+        return siso(q[:, :, 0], k[:, :, 0], v, t(adt), t(dt), t(trap_raw), q_bias[:, 0], k_bias[:, 0], angles_raw,
+                    D, z, chunk_size=chunk_size or 64)
+    mimo_scan = module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
+    natural = torch.argsort(halves_order(n, a, device=q.device))
+    q, k, q_bias, k_bias = (x[..., natural] for x in (q, k, q_bias, k_bias))
+    return mimo_scan(q, k, v, t(adt), t(dt), t(trap_raw).to(v.dtype), q_bias, k_bias, mimo_v, mimo_z, mimo_o,
+                     angles_raw, D, z, chunk_size=chunk_size or 64 // r, rotary_dim_divisor=n // a, dtype=v.dtype)

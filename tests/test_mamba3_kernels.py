@@ -15,7 +15,7 @@ from mambalab.kernels.mamba3 import (angle_cumsum_bwd, angle_cumsum_fwd, rank_cu
                                      rotary_qk_bwd, rotary_qk_fwd)
 from mambalab import validate
 from mambalab.ops import mamba3_chunk_scan, mamba3_step
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks, halves_order,
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, cumulative_angle, expand_ranks,
                                  mamba3_chunked, mamba3_step_ref, rank_inputs, rank_outputs, zero_state)
 
 from conftest import KERNEL_DEVICE, make_mamba3_inputs, requires_gpu
@@ -404,34 +404,14 @@ def test_gpu_bf16_matches_reference_and_repeats():
         assert torch.equal(a, b)
 
 
-def _mamba_ssm_scan(r, n, a):
-    """mamba-ssm's scan for rank r as f(q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z, mimo) in our
-    layouts (r = 1: mamba3_siso_combined, chunk 64; r > 1: mamba3_mimo, TileLang, chunk 64 / r), and the
-    permutation of n under which our kernels compute it (:func:`mambalab.ref.mamba3.halves_order`: its MIMO
-    rotates the pairs (i, i + n/2), its SISO and our kernels (2i, 2i+1)). It takes ADT, DT, Trap as (b, h, l),
-    Trap before its sigmoid (in the activations' dtype for MIMO) and Angles before π·tanh; q, k without a rank
-    axis and biases (h, n) for SISO."""
-    from mambalab import oracle
-    t = lambda x: x.transpose(1, 2)
-    if r == 1:
-        siso = oracle.module("ops.triton.mamba3.mamba3_siso_combined").mamba3_siso_combined
-        return 64, lambda q, k, v, adt, dt, trap, qb, kb, ang, D, z, mimo: siso(
-            q[:, :, 0], k[:, :, 0], v, t(adt), t(dt), t(trap), qb[:, 0], kb[:, 0], ang, D, z, chunk_size=64), None
-    pytest.importorskip("tilelang", reason="mamba-ssm's MIMO kernels need TileLang (tilelang==0.1.8)")
-    mimo_scan = oracle.module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
-    return 64 // r, lambda q, k, v, adt, dt, trap, qb, kb, ang, D, z, mimo: mimo_scan(
-        q, k, v, t(adt), t(dt), t(trap).to(v.dtype), qb, kb, *mimo, ang, D, z, chunk_size=64 // r,
-        rotary_dim_divisor=n // a, dtype=v.dtype), halves_order(n, a, device="cuda")
-
-
 @requires_gpu
 @pytest.mark.parametrize("r", [1, 4], ids=["siso", "mimo4"])
 def test_gpu_matches_mamba_ssm(r):
     """Against mamba-ssm's own kernels, bf16, forward and gradients: SISO against mamba3_siso_combined, MIMO
-    r = 4 against mamba3_mimo (TileLang; skipped without it) with q, k and their biases handed to ours in
-    :func:`~mambalab.ref.mamba3.halves_order` (its MIMO rotates the pairs (i, i + n/2)). Tolerance: max |ours -
-    theirs| <= 3e-2 · (max |theirs| + 1) for the output, 5e-2 for gradients (bf16 inputs; theirs uses
-    approximate sin/cos/sigmoid/tanh).
+    r = 4 against mamba3_mimo (TileLang; skipped without it), both through :func:`mambalab.oracle.mamba3_scan`
+    (which hands its MIMO q, k and their biases in its rotary layout, the pairs (i, i + n/2)). Tolerance:
+    max |ours - theirs| <= 3e-2 · (max |theirs| + 1) for the output, 5e-2 for gradients (bf16 inputs; theirs
+    uses approximate sin/cos/sigmoid/tanh).
 
     d angles is the exception: in bf16 it is ill-conditioned for both sides (a reverse cumulative sum over l
     of dθ terms that mostly cancel; at the benchmark's shape each side is 8-9 % of its scale away from the
@@ -441,7 +421,9 @@ def test_gpu_matches_mamba_ssm(r):
     """
     from mambalab import oracle
     b, l, h, p, g, n, a = 2, 256, 8, 64, 1, 128, 32
-    chunk, theirs_fn, order = _mamba_ssm_scan(r, n, a)
+    if r > 1:
+        pytest.importorskip("tilelang", reason="mamba-ssm's MIMO kernels need TileLang (tilelang==0.1.8)")
+    chunk = 64 // r                                   # mamba-ssm's suggestion, and the oracle's default
     gen = torch.Generator(device="cuda").manual_seed(0)
     rn = lambda *s, dt=torch.bfloat16: torch.randn(*s, generator=gen, device="cuda").to(dt)
     q, k, v, z = rn(b, l, r, g, n), rn(b, l, r, g, n), rn(b, l, h, p), rn(b, l, h, p)
@@ -455,13 +437,11 @@ def test_gpu_matches_mamba_ssm(r):
     for x in ins:
         x.requires_grad_(True)
     with oracle.single_config("mamba_ssm.ops.triton.mamba3"):   # no minutes of autotuning first
-        theirs = theirs_fn(*ins[:11], mimo)
+        theirs = oracle.mamba3_scan(*ins, chunk_size=chunk)
         dy = torch.randn(theirs.shape, generator=gen, device="cuda").to(theirs.dtype)
         g_theirs = torch.autograd.grad((theirs * dy).sum(), ins)
 
     def ours_fn(q, k, v, adt, dt, trap_raw, q_bias, k_bias, ang_raw, D, z, *mimo):
-        if order is not None:
-            q, k, q_bias, k_bias = (x[..., order] for x in (q, k, q_bias, k_bias))
         kw = dict(zip(("mimo_v", "mimo_z", "mimo_o"), mimo))
         scan = mamba3_chunked if q.dtype == torch.float64 else mamba3_chunk_scan
         return scan(q, k, v, adt, dt, torch.sigmoid(trap_raw), q_bias, k_bias, math.pi * torch.tanh(ang_raw), D, z,
