@@ -78,6 +78,36 @@ def module(name: str) -> types.ModuleType:
     return importlib.import_module(f"mamba_ssm.{name}")
 
 
+def source_function(name: str, function: str):
+    """One function of a mamba-ssm module that cannot be imported on this machine, compiled from the installed
+    module's source alone, e.g. ``source_function("ops.cute.mamba3.mamba3_step_fn",
+    "selective_state_update_fused_ref_v2")``: mamba-ssm's PyTorch reference of its Mamba-3 decode step sits in
+    a module that imports CUDA-only packages (cutlass, the CuTe DSL) at its top.
+
+    Only the function's own definition is compiled, with ``torch``, ``F`` (torch.nn.functional), ``math``,
+    ``Tensor`` and ``Optional`` as its globals: for self-contained PyTorch code, which a reference is; a
+    function that calls anything else of its module fails with a NameError when called. Raises LookupError
+    when the module has no such top-level function."""
+    import ast
+    import importlib.util
+    import math
+    from typing import Optional
+
+    import torch
+
+    load()
+    path = importlib.util.find_spec(f"mamba_ssm.{name}").origin   # finds the file without running it
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    found = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == function]
+    if not found:
+        raise LookupError(f"mamba_ssm.{name} ({path}) defines no top-level function {function!r}")
+    namespace = {"torch": torch, "F": torch.nn.functional, "math": math, "Tensor": torch.Tensor,
+                 "Optional": Optional}
+    exec(compile(ast.Module(body=found, type_ignores=[]), path, "exec"), namespace)   # noqa: S102 - its source
+    return namespace[function]
+
+
 def selective_scan_ref():
     """mamba-ssm's pure-PyTorch selective scan (runs anywhere)."""
     return module("ops.selective_scan_interface").selective_scan_ref
