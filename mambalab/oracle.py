@@ -189,3 +189,37 @@ def mamba3_scan(q, k, v, adt, dt, trap_raw, q_bias, k_bias, angles_raw, D=None, 
     q, k, q_bias, k_bias = (x[..., natural] for x in (q, k, q_bias, k_bias))
     return mimo_scan(q, k, v, t(adt), t(dt), t(trap_raw).to(v.dtype), q_bias, k_bias, mimo_v, mimo_z, mimo_o,
                      angles_raw, D, z, chunk_size=chunk_size or 64 // r, rotary_dim_divisor=n // a, dtype=v.dtype)
+
+
+def mamba3_decode_reference(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles_raw, D=None, z=None, mimo_v=None,
+                            mimo_z=None, mimo_o=None):
+    """mamba-ssm's Mamba-3 decode step, from its own PyTorch references, called in the layouts of
+    :func:`mambalab.ref.mamba3.mamba3_step_ref`: its rotary inference reference
+    (``apply_rotary_qk_inference_reference``), then its fused state-update reference
+    (``selective_state_update_fused_ref_v2``, the reference of its CuTe decode kernel, through
+    :func:`source_function`), computed in v's dtype. Runs anywhere (no kernel).
+
+    Shapes as ours, per token: state a :class:`~mambalab.ref.mamba3.Mamba3State` (angle (b, h, a), ssm
+    (b, h, p, n), k (b, h, r, n) the last step's k̂, v (b, h, p)); q, k (b, r, g, n); v, z (b, h, p); adt, dt,
+    trap (b, h), trap after its sigmoid as ours; q_bias, k_bias (h, r, n); D (h,); mimo_* (h, r, p) for r > 1.
+    Unlike ours, ``angles_raw`` (b, h, a) comes before π·tanh, which mamba-ssm applies itself. Every n axis
+    (q, k, biases, the state's ssm and k) is in mamba-ssm's order: SISO (r = 1) turns the rotary pairs
+    (2i, 2i+1) as our kernels do; MIMO turns (i, i + n/2), which our kernels compute on n permuted by
+    :func:`mambalab.ref.mamba3.halves_order`. Returns (out (b, h, p), the new state) in v's dtype."""
+    import torch
+
+    from mambalab.ref.mamba3 import Mamba3State
+
+    rotary = module("ops.triton.mamba3.mamba3_mimo_rotary_step").apply_rotary_qk_inference_reference
+    update = source_function("ops.cute.mamba3.mamba3_step_fn", "selective_state_update_fused_ref_v2")
+    h, r = q_bias.shape[0], q.shape[1]
+    per_head = lambda x: x.repeat_interleave(h // x.shape[2], dim=2)              # (b, r, g, n) -> (b, r, h, n)
+    q_hat, k_hat, angle = rotary(per_head(q), per_head(k), state.angle, angles_raw, dt, q_bias.transpose(0, 1),
+                                 k_bias.transpose(0, 1), rotate_pairwise=r == 1)
+    ones = torch.ones(r, h, v.shape[-1], dtype=v.dtype, device=v.device)      # SISO: its module's step passes these
+    rank_weight = lambda w: ones if w is None else w.transpose(0, 1)          # (h, r, p) -> its (r, h, p)
+    if D is None:   # its reference always adds D v
+        D = torch.zeros(h, dtype=v.dtype, device=v.device)
+    out, ssm = update(state.ssm, adt / dt, k_hat, q_hat, rank_weight(mimo_v), v, rank_weight(mimo_z), z, dt,
+                      state.k.transpose(1, 2), state.v, trap, D, rank_weight(mimo_o), compute_dtype=v.dtype)
+    return out, Mamba3State(angle, ssm, k_hat.transpose(1, 2), v)
