@@ -16,17 +16,17 @@ from mambalab import oracle
 from mambalab.ops import mamba3_step
 from mambalab.ref.mamba3 import Mamba3State, biased_rotated, halves_order, mamba3_step_ref
 
-B, H, P, N, A = 2, 3, 8, 16, 4          # batch, heads, head dimension, state, rotary pairs (a < n/2: some stay)
+B, H, P, N, A = 2, 4, 8, 16, 4          # batch, heads, head dimension, state, rotary pairs (a < n/2: some stay)
 
 
-def token(r, seed=0):
-    """One token's inputs in our layouts (fp64, one q/k group) but for the raw angle projection, which
+def token(r, seed=0, g=1):
+    """One token's inputs in our layouts (fp64, g q/k groups) but for the raw angle projection, which
     mamba-ssm takes (ours is π·tanh of it), and a random state to step from."""
     gen = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)
     uniform = lambda *s: torch.rand(*s, generator=gen, dtype=torch.float64)
     dt = 0.05 + 0.5 * uniform(B, H)
-    x = {"q": rn(B, r, 1, N), "k": rn(B, r, 1, N), "v": rn(B, H, P), "adt": -dt * (0.5 + uniform(H)), "dt": dt,
+    x = {"q": rn(B, r, g, N), "k": rn(B, r, g, N), "v": rn(B, H, P), "adt": -dt * (0.5 + uniform(H)), "dt": dt,
          "trap": uniform(B, H), "q_bias": 1 + 0.1 * rn(H, r, N), "k_bias": 1 + 0.1 * rn(H, r, N),
          "angles_raw": rn(B, H, A), "D": rn(H), "z": rn(B, H, P)}
     if r > 1:
@@ -69,12 +69,13 @@ def test_rotary_matches_mamba_ssm_reference(r):
 
 
 @pytest.mark.parametrize("step", [mamba3_step_ref, mamba3_step], ids=["reference", "kernel"])
-@pytest.mark.parametrize("r", [1, 2, 4], ids=["siso", "mimo2", "mimo4"])
-def test_decode_step_matches_mamba_ssm_reference(r, step):
+@pytest.mark.parametrize("r, g", [(1, 1), (2, 1), (4, 1), (4, 2)], ids=["siso", "mimo2", "mimo4", "mimo4-2groups"])
+def test_decode_step_matches_mamba_ssm_reference(r, g, step):
     """One decode step from a random state against mamba-ssm's (:func:`mambalab.oracle.mamba3_decode_reference`):
     output, new state, new k̂, θ and v; fp64 for our reference, fp32 for our Triton step (its dtypes; within
-    1e-5). For MIMO ours runs in halves_order (:func:`ours`), and its state's n axis comes back in it."""
-    x, state = token(r, seed=1)
+    1e-5). For MIMO ours runs in halves_order (:func:`ours`), and its state's n axis comes back in it. With
+    g = 2 groups, head i reads group i // (h / g) on both sides."""
+    x, state = token(r, seed=1, g=g)
     want_out, want = oracle.mamba3_decode_reference(state, **x)
     mine, mine_state, order = ours(x, state, r)
     tol = {}
