@@ -78,6 +78,7 @@ def module(name: str) -> types.ModuleType:
     return importlib.import_module(f"mamba_ssm.{name}")
 
 
+@lru_cache(maxsize=None)
 def source_function(name: str, function: str):
     """One function of a mamba-ssm module that cannot be imported on this machine, compiled from the installed
     module's source alone, e.g. ``source_function("ops.cute.mamba3.mamba3_step_fn",
@@ -87,7 +88,7 @@ def source_function(name: str, function: str):
     Only the function's own definition is compiled, with ``torch``, ``F`` (torch.nn.functional), ``math``,
     ``Tensor`` and ``Optional`` as its globals: for self-contained PyTorch code, which a reference is; a
     function that calls anything else of its module fails with a NameError when called. Raises LookupError
-    when the module has no such top-level function."""
+    when the module has no such top-level function. Compiled once per (name, function)."""
     import ast
     import importlib.util
     import math
