@@ -209,14 +209,13 @@ def mamba3_decode_reference(state, q, k, v, adt, dt, trap, q_bias, k_bias, angle
     :func:`mambalab.ref.mamba3.halves_order`. Returns (out (b, h, p), the new state) in v's dtype."""
     import torch
 
-    from mambalab.ref.mamba3 import Mamba3State
+    from mambalab.ref.mamba3 import Mamba3State, per_head
 
     rotary = module("ops.triton.mamba3.mamba3_mimo_rotary_step").apply_rotary_qk_inference_reference
     update = source_function("ops.cute.mamba3.mamba3_step_fn", "selective_state_update_fused_ref_v2")
     h, r = q_bias.shape[0], q.shape[1]
-    per_head = lambda x: x.repeat_interleave(h // x.shape[2], dim=2)              # (b, r, g, n) -> (b, r, h, n)
-    q_hat, k_hat, angle = rotary(per_head(q), per_head(k), state.angle, angles_raw, dt, q_bias.transpose(0, 1),
-                                 k_bias.transpose(0, 1), rotate_pairwise=r == 1)
+    q_hat, k_hat, angle = rotary(per_head(q, h), per_head(k, h), state.angle, angles_raw, dt,   # q, k (b, r, h, n)
+                                 q_bias.transpose(0, 1), k_bias.transpose(0, 1), rotate_pairwise=r == 1)
     ones = torch.ones(r, h, v.shape[-1], dtype=v.dtype, device=v.device)      # SISO: its module's step passes these
     rank_weight = lambda w: ones if w is None else w.transpose(0, 1)          # (h, r, p) -> its (r, h, p)
     if D is None:   # its reference always adds D v
