@@ -72,11 +72,15 @@ def make_mamba3_inputs(b, l, h, p, g, n, r, a, *, D=True, z=True, init=False, dt
 
 
 def rotate_halves(x, theta):
-    """mamba-ssm's MIMO rotary layout, written out: the pairs (x[i], x[i + n/2]) turn by θ[i] for i < a, the
-    rest stays. x (..., n); theta (..., a) broadcastable to x's leading axes."""
-    a, m = theta.shape[-1], x.shape[-1] // 2
-    x0, x1 = x[..., :a], x[..., m:m + a]
-    cos, sin = torch.cos(theta), torch.sin(theta)
-    out = x.clone()
-    out[..., :a], out[..., m:m + a] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
-    return out
+    """mamba-ssm's MIMO rotary layout, by mamba-ssm's own reference (apply_rotary_qk_inference_reference with
+    rotate_pairwise off, its angle state θ and no increment): the pairs (x[i], x[i + n/2]) turn by θ[i] for
+    i < a, the rest stays. x (..., n); theta (..., a) broadcastable to x's leading axes -> (..., n)."""
+    from mambalab import oracle
+
+    rotary = oracle.module("ops.triton.mamba3.mamba3_mimo_rotary_step").apply_rotary_qk_inference_reference
+    lead = torch.broadcast_shapes(x.shape[:-1], theta.shape[:-1])
+    rows = x.expand(*lead, x.shape[-1]).reshape(-1, 1, 1, x.shape[-1])      # its (batch, rank, heads, n)
+    angle = theta.expand(*lead, theta.shape[-1]).reshape(-1, 1, theta.shape[-1])
+    zero = torch.zeros(rows.shape[0], 1, dtype=x.dtype, device=x.device)
+    turned, _, _ = rotary(rows, rows, angle, torch.zeros_like(angle), zero, rotate_pairwise=False)
+    return turned.reshape(*lead, x.shape[-1])
