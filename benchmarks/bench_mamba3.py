@@ -20,7 +20,8 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   turns the rotary pairs (i, i + n/2): :func:`mambalab.oracle.mamba3_scan` hands it q, k and their biases in
   that layout.
 * ``--blocks D_MODEL...``: last, whole Mamba3 blocks (in and out projections, norms, the scan between) SISO and
-  MIMO r=4, mambalab's and mamba-ssm's with the same weights, forward+backward as CUDA graphs (:func:`blocks`).
+  MIMO r=4, mambalab's and mamba-ssm's with the same weights, forward+backward as CUDA graphs (:func:`blocks`);
+  with ``--blocks-only``, nothing else.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
 
@@ -264,6 +265,8 @@ def main():
     ap.add_argument("--blocks", type=int, nargs="*", default=[], metavar="D_MODEL",
                     help="last, also time whole Mamba3 blocks (SISO and MIMO r=4, both sides) at these d_model, "
                          "at the shape's b and l (1024 gives the shape's 32 heads)")
+    ap.add_argument("--blocks-only", action="store_true",
+                    help="time the --blocks alone: skip the scans, the decode step and the rival's scans")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -277,6 +280,12 @@ def main():
     b, l, h, p, g, n, a = args.shape
     result = {"environment": environment(), "shape": dict(b=b, l=l, h=h, p=p, g=g, n=n, a=a), "dtype": "bf16",
               "dout_seed": args.seed}
+    if args.blocks_only:
+        if not args.blocks:
+            sys.exit("--blocks-only needs --blocks D_MODEL...")
+        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival)
+        write(Path(args.out) / "bench_mamba3.json", result)
+        return
 
     x1, m1 = make(b, l, h, p, g, n, a, 1)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
