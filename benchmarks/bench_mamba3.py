@@ -107,13 +107,14 @@ def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
     return out
 
 
-def blocks(d_models, b, l, mimo_rival):
+def blocks(d_models, b, l, mimo_rival, profile=False):
     """Whole Mamba3 blocks, forward+backward of (b, l, d_model) bf16 replayed as CUDA graphs: mambalab's
     :class:`~mambalab.modules.Mamba3` SISO (chunk 64) and MIMO r=4 (chunk 16) at each d_model with the
     benchmark's state (d_state 128, headdim 64, one group, rope_fraction 0.5), and mamba-ssm's Mamba3 with the
     same weights (its MIMO only with ``mimo_rival``). The projections around the scan are the same for SISO and
     MIMO but for MIMO's rank-wide B, C and its W's, so a block's MIMO / SISO ratio says what MIMO costs in a
-    layer, where the scan's ratio says what it costs in the scan alone. Failures are recorded, not raised."""
+    layer, where the scan's ratio says what it costs in the scan alone. With ``profile``, also where mambalab's
+    block spends its time (:func:`common.profile_table`). Failures are recorded, not raised."""
     from mambalab import oracle
     from mambalab.modules import Mamba3
 
@@ -138,14 +139,16 @@ def blocks(d_models, b, l, mimo_rival):
             for key, block in sides:
                 try:
                     case[key] = graph_ms(lambda: block(u).backward(dout))
+                    if profile and key == "mambalab_ms":
+                        case["mambalab_profile"] = profile_table(lambda: block(u).backward(dout))
                 except Exception as e:  # noqa: BLE001
                     case[key] = f"{type(e).__name__}: {str(e)[:500]}"
             if all(isinstance(case.get(k), float) for k in ("mambalab_ms", "mamba_ssm_ms")):
                 case["mambalab_over_mamba_ssm"] = case["mambalab_ms"] / case["mamba_ssm_ms"]
             row[name] = case
-            print("block", d_model, name, case, flush=True)
+            print("block", d_model, name, {k: v for k, v in case.items() if k != "mambalab_profile"}, flush=True)
         for key in ("mambalab_ms", "mamba_ssm_ms"):
-            if all(isinstance(row[c].get(key), float) for c in row):
+            if all(isinstance(row[c].get(key), float) for c in ("siso_c64", "mimo4_c16")):
                 row[f"mimo4_over_siso_{key[:-3]}"] = row["mimo4_c16"][key] / row["siso_c64"][key]
         result[f"d_model_{d_model}"] = row
     return result
@@ -283,7 +286,7 @@ def main():
     if args.blocks_only:
         if not args.blocks:
             sys.exit("--blocks-only needs --blocks D_MODEL...")
-        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival)
+        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival, args.profile)
         write(Path(args.out) / "bench_mamba3.json", result)
         return
 
@@ -372,7 +375,7 @@ def main():
         print("mamba_ssm_mimo4_c16", result["mamba_ssm_mimo4_c16"], flush=True)
     write(Path(args.out) / "bench_mamba3.json", result)
     if args.blocks:
-        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival)
+        result["blocks_fwd_bwd_graph"] = blocks(args.blocks, b, l, args.mimo_rival, args.profile)
         write(Path(args.out) / "bench_mamba3.json", result)
     print({k: round(v, 3) for k, v in ratios.items()})
 

@@ -6,7 +6,7 @@ import torch
 from mambalab.kernels import reduce
 from mambalab.kernels.reduce import SEGMENT, fold_reference, sum_partials
 
-from conftest import KERNEL_DEVICE
+from conftest import KERNEL_DEVICE, requires_gpu
 
 
 def partials(*shape, seed=5):
@@ -63,3 +63,14 @@ def test_dims_dtypes_and_empty_sizes():
         assert torch.equal(low, want.bfloat16())
     assert torch.equal(sum_partials(torch.empty(3, 0, 4, device=KERNEL_DEVICE), dim=1).cpu(), torch.zeros(3, 4))
     assert sum_partials(torch.empty(0, 5, 4, device=KERNEL_DEVICE), dim=1).shape == (0, 4)
+
+
+@requires_gpu
+def test_more_blocks_of_inner_than_a_cuda_grid_axis_holds():
+    """CUDA caps a grid's second and third axes at 65,535 programs. The rotary backward folds dθ partials
+    with inner = b·l·h·a numbers (2^25 at b4 l4096 h64 a32: 65,536 blocks of BLOCK_INNER), which failed to
+    launch ("invalid argument") while the blocks of inner had an axis of their own. Two blocks past the cap,
+    folded bit for bit as the reference folds them."""
+    inner = 65_535 * reduce.BLOCK_INNER + reduce.BLOCK_INNER + 1
+    x = torch.randn(1, 3, inner, device="cuda")
+    assert torch.equal(sum_partials(x, dim=1), fold_reference(x, dim=1))

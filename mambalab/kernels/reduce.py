@@ -37,10 +37,13 @@ def sum_partials_kernel(
     seg,          # partials a segment (>= P for one left fold over them all)
     BLOCK: tl.constexpr,
 ):
-    pid_o = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    segments = tl.num_programs(2)
+    # axis 0 walks (outer, block of inner), row-major; axis 1 the segments. CUDA caps axes 1 and 2 at 65,535
+    # programs, and inner / BLOCK passes that in the rotary backward's dθ at b4 l4096 h64 (2^25 numbers)
+    inner_blocks = tl.cdiv(inner, BLOCK)
+    pid_o = tl.program_id(0) // inner_blocks
+    pid_i = tl.program_id(0) % inner_blocks
+    pid_s = tl.program_id(1)
+    segments = tl.num_programs(1)
     offs = pid_i * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inner
     first = pid_s * seg
@@ -74,11 +77,11 @@ def sum_partials(x: torch.Tensor, dim: int, out_dtype: torch.dtype | None = None
     while P > SEGMENT:   # one pass a level: (outer, P, inner) -> (outer, cdiv(P, SEGMENT), inner) sums in fp32
         S = triton.cdiv(P, SEGMENT)
         sums = torch.empty(outer, S, inner, device=x.device, dtype=torch.float32)
-        sum_partials_kernel[(outer, triton.cdiv(inner, BLOCK_INNER), S)](x, sums, P, inner, SEGMENT,
-                                                                         BLOCK=BLOCK_INNER)
+        sum_partials_kernel[(outer * triton.cdiv(inner, BLOCK_INNER), S)](x, sums, P, inner, SEGMENT,
+                                                                          BLOCK=BLOCK_INNER)
         x, P = sums, S
     # the last level: one left fold over at most SEGMENT partials, written once in out's dtype
-    sum_partials_kernel[(outer, triton.cdiv(inner, BLOCK_INNER), 1)](x, out, P, inner, max(P, 1), BLOCK=BLOCK_INNER)
+    sum_partials_kernel[(outer * triton.cdiv(inner, BLOCK_INNER), 1)](x, out, P, inner, max(P, 1), BLOCK=BLOCK_INNER)
     return out
 
 
