@@ -173,11 +173,9 @@ def mamba3_scan(q, k, v, adt, dt, trap_raw, q_bias, k_bias, angles_raw, D=None, 
     r = 1: ``mamba3_siso_combined`` (Triton), chunk_size 64 unless given. r > 1: ``mamba3_mimo`` (TileLang; needs
     tilelang==0.1.8 importable), chunk_size 64 / r unless given, trap in v's dtype (its kernel's check). Its MIMO
     turns the rotary pairs (i, i + n/2) where ours turn (2i, 2i+1), so q, k and their biases go to it in the
-    order whose (i, i + n/2) pairs are ours (``argsort`` of :func:`mambalab.ref.mamba3.halves_order`).
+    order whose (i, i + n/2) pairs are ours (:func:`mambalab.ref.mamba3.pairs_to_halves`).
     Returns out (b, l, h, p) in v's dtype, with gradients to every input through mamba-ssm's backward."""
-    import torch
-
-    from mambalab.ref.mamba3 import halves_order
+    from mambalab.ref.mamba3 import pairs_to_halves
 
     t = lambda x: x.transpose(1, 2)                                   # (b, l, h, ...) -> its (b, h, l, ...)
     r, n, a = q.shape[2], q.shape[-1], angles_raw.shape[-1]
@@ -186,8 +184,7 @@ def mamba3_scan(q, k, v, adt, dt, trap_raw, q_bias, k_bias, angles_raw, D=None, 
         return siso(q[:, :, 0], k[:, :, 0], v, t(adt), t(dt), t(trap_raw), q_bias[:, 0], k_bias[:, 0], angles_raw,
                     D, z, chunk_size=chunk_size or 64)
     mimo_scan = module("ops.tilelang.mamba3.mamba3_mimo").mamba3_mimo
-    natural = torch.argsort(halves_order(n, a, device=q.device))
-    q, k, q_bias, k_bias = (x[..., natural] for x in (q, k, q_bias, k_bias))
+    q, k, q_bias, k_bias = (pairs_to_halves(x, a) for x in (q, k, q_bias, k_bias))
     return mimo_scan(q, k, v, t(adt), t(dt), t(trap_raw).to(v.dtype), q_bias, k_bias, mimo_v, mimo_z, mimo_o,
                      angles_raw, D, z, chunk_size=chunk_size or 64 // r, rotary_dim_divisor=n // a, dtype=v.dtype)
 

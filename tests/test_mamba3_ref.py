@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from mambalab.ref.mamba3 import (Mamba3State, halves_order, mamba3_chunked, mamba3_quadratic, mamba3_recurrent,
-                                 mamba3_step_ref, rotate_pairs, scan_weights, step_weights, zero_state)
+from mambalab.ref.mamba3 import (Mamba3State, halves_order, halves_to_pairs, mamba3_chunked, mamba3_quadratic,
+                                 mamba3_recurrent, mamba3_step_ref, pairs_to_halves, rotate_pairs, scan_weights,
+                                 step_weights, zero_state)
 from mambalab.ref.ssd import ssd_recurrent
 
 from conftest import make_mamba3_inputs, rotate_halves
@@ -197,6 +198,21 @@ def test_halves_order_turns_the_halves_layout_into_adjacent_pairs(n, a):
     torch.testing.assert_close(rotate_pairs(x[:, order], theta)[:, torch.argsort(order)], rotate_halves(x, theta))
     if a:   # and the two layouts differ: the permutation is needed
         assert (rotate_pairs(x, theta) - rotate_halves(x, theta)).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("n, a", [(8, 0), (8, 1), (8, 3), (8, 4), (12, 2), (16, 8), (128, 32)])
+def test_halves_to_pairs_is_halves_order_from_slices(n, a):
+    """The block's permutation (slices, for a cheap backward) is indexing with halves_order, and
+    pairs_to_halves undoes it, forward and backward, on any leading axes."""
+    x = torch.randn(2, 3, n, dtype=torch.float64, requires_grad=True)
+    order = halves_order(n, a)
+    assert torch.equal(halves_to_pairs(x, a), x[..., order])
+    assert torch.equal(pairs_to_halves(x, a), x[..., torch.argsort(order)])
+    assert torch.equal(pairs_to_halves(halves_to_pairs(x, a), a), x)
+    g = torch.randn(2, 3, n, dtype=torch.float64)
+    grad, = torch.autograd.grad(halves_to_pairs(x, a), x, g)
+    want, = torch.autograd.grad(x[..., order], x, g)
+    assert torch.equal(grad, want)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from mambalab import validate
 from mambalab.modules.norm import GatedRMSNorm
-from mambalab.ref.mamba3 import halves_order, zero_state
+from mambalab.ref.mamba3 import halves_order, halves_to_pairs, zero_state
 
 __all__ = ["Mamba3", "BACKENDS", "MIMO_RANKS"]
 
@@ -221,9 +221,9 @@ class Mamba3(nn.Module):
         q_bias, k_bias, mimo = self.C_bias, self.B_bias, {}
         if self.is_mimo:
             mimo = {"mimo_v": self.mimo_x, "mimo_z": self.mimo_z, "mimo_o": self.mimo_o}
-            # mamba-ssm's MIMO rotates the pairs (i, i + n/2): permute n so that they are adjacent pairs
-            order = self.pair_order(q.device)
-            q, k, q_bias, k_bias = (t[..., order] for t in (q, k, q_bias, k_bias))
+            # mamba-ssm's MIMO rotates the pairs (i, i + n/2): permute n (pair_order) so that they are adjacent
+            a = self.num_rope_angles
+            q, k, q_bias, k_bias = (halves_to_pairs(t, a) for t in (q, k, q_bias, k_bias))
         return dict(q=q, k=k, v=x.unflatten(-1, (h, p)), adt=A * dt, dt=dt,
                     trap=torch.sigmoid(f(trap)), q_bias=q_bias, k_bias=k_bias,
                     angles=omega.unsqueeze(-2).expand(*omega.shape[:-1], h, self.num_rope_angles),  # (b, l, h, a)
