@@ -77,7 +77,9 @@ def ours(x, mimo, chunk):
 def theirs(x, mimo, chunk):
     """mamba-ssm's scan on the same inputs (:func:`mambalab.oracle.mamba3_scan`): ``mamba3_siso_combined`` for
     r = 1, ``mamba3_mimo`` (TileLang) with the rank weights. Its times include that adapter's transposes and, for
-    MIMO, the four small gathers of q, k and their biases into its rotary layout."""
+    MIMO, the copies of q, k and their biases into its rotary layout, made of slices
+    (:func:`~mambalab.ref.mamba3.pairs_to_halves`); until session 17 they were tensor indexing, whose backward
+    added about 3 ms to its MIMO's time."""
     from mambalab import oracle
 
     return oracle.mamba3_scan(*(x[name] for name in NAMES), **mimo, chunk_size=chunk)
@@ -87,7 +89,7 @@ def mimo_rival(x4, m4, dout, reps, siso_graph_ms):
     """mamba-ssm's MIMO r=4 (chunk 16) against its SISO and against mambalab's MIMO: its times (eager, and as a
     CUDA graph), its MIMO / SISO ratio (``siso_graph_ms``: its SISO as a graph, or None), mambalab's largest
     differences from it relative to its largest magnitude, and both sides' errors against the fp64 reference.
-    Its times include the four small gathers of :func:`theirs` (q, k and biases into its rotary layout).
+    Its times include :func:`theirs`' copies of q, k and their biases into its rotary layout.
     Any failure (TileLang compiles on the first call) is recorded, not raised."""
     out = {}
     try:
