@@ -90,6 +90,21 @@ def positive_int(name: str, value, *, power_of_two: bool = False) -> int:
     return value
 
 
+MAX_CHUNKS = 65_535   # CUDA's cap on a launch grid's second and third axes, where the chunked kernels put chunks
+
+
+def chunk_count(l: int, chunk_size: int) -> int:
+    """The chunks of a sequence of ``l`` positions (steps), which the chunked kernels launch one program row
+    each on a grid axis that CUDA caps at :data:`MAX_CHUNKS`; more is an error here, not a failed launch."""
+    chunks = -(-l // chunk_size)
+    if chunks > MAX_CHUNKS:
+        enough = 1 << (-(-l // MAX_CHUNKS) - 1).bit_length()   # the smallest power of two that would do
+        raise ValueError(f"l = {l} at chunk_size = {chunk_size} makes {chunks} chunks; the kernels take at most "
+                         f"{MAX_CHUNKS} (a CUDA launch grid's limit): use chunk_size = {enough} or more, or "
+                         "split the sequence and carry the state between the parts")
+    return chunks
+
+
 class SignatureCache:
     """Remembers the argument signatures a metadata-only check accepted, so that a loop calling an op with
     same-shaped inputs (a decoding step per token) runs the check once rather than every call.

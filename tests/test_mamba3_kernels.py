@@ -325,6 +325,12 @@ def test_bad_input_is_named_before_launch():
     with pytest.raises(ValueError, match="mimo_z, mimo_o given but r = 1"):
         one = make_mamba3_inputs(1, 4, 2, 16, 1, 16, 1, 2, dtype=torch.float32)
         mamba3_chunk_scan(**one, mimo_z=inp["mimo_z"][:, :1], mimo_o=inp["mimo_o"][:, :1], chunk_size=16)
+    longest = 8 * validate.MAX_CHUNKS   # chunk_size 8 at r = 2: one chunk more than a CUDA grid axis holds
+    long = {k: (t[:, :1].expand(t.shape[0], longest + 1, *t.shape[2:]) if k in SEQUENCE else t)  # no memory
+            for k, t in inp.items()}
+    with pytest.raises(ValueError, match=f"l = {longest + 1} at chunk_size = 8 makes 65536 chunks.*"
+                                         "chunk_size = 16 or more"):
+        mamba3_chunk_scan(**long, chunk_size=8)
     tok = {k: (t[:, 0] if k in SEQUENCE and t is not None else t) for k, t in inp.items()}
     state = zero_state(1, 2, 16, 16, 2, 2, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"q must have shape \(b, r, g, n\)"):

@@ -329,6 +329,19 @@ def test_bad_input_is_named(change, exc, words):
                                dt_limit=x["dt_limit"])
 
 
+def test_more_chunks_than_a_launch_grid_holds_is_named():
+    """The kernels put the chunks on a grid axis that CUDA caps at 65,535 programs: one chunk more is named
+    with the chunk_size that would do, before anything launches (the inputs are expanded views, no memory)."""
+    from mambalab.validate import MAX_CHUNKS
+
+    x = _valid()
+    l = 16 * MAX_CHUNKS + 1
+    stretch = lambda t: t[:, :1].expand(t.shape[0], l, *t.shape[2:])
+    long = {k: stretch(x[k]) if k in ("x", "dt", "B", "C", "z") else x[k] for k in NAMES}
+    with pytest.raises(ValueError, match=f"l = {l} at chunk_size = 16 makes 65536 chunks.*chunk_size = 32 or more"):
+        ssd_chunk_scan_forward(*(long[k] for k in NAMES[:5]), 16, **{k: long[k] for k in NAMES[5:]})
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])  # fp32: tf32 dots

@@ -52,6 +52,8 @@ def _check(args, state, *, per_token, chunk_size=None):
     if chunk_size is not None and chunk_size * r < MIN_DOT:
         raise ValueError(f"chunk_size · r must be at least {MIN_DOT} (the kernels' dot products); got "
                          f"chunk_size = {chunk_size}, r = {r}")
+    if chunk_size is not None:
+        validate.chunk_count(sizes[1], chunk_size)
     _device.ensure_kernel_device(args[2].device)
     return sizes
 

@@ -57,6 +57,7 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
     if chunk_size < MIN_CHUNK_SIZE:
         raise ValueError(f"chunk_size must be at least {MIN_CHUNK_SIZE} (the kernels' dot products); "
                          f"got {chunk_size}")
+    validate.chunk_count(l, chunk_size)
     try:
         lo, hi = (float(v) for v in dt_limit)
     except (TypeError, ValueError):
