@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mambalab import oracle
+from mambalab import oracle, validate
 from mambalab.kernels import ssd as kernels
 from mambalab.ops.ssd import ssd_chunk_scan_forward
 from mambalab.ref.ssd import (chunk_diagonal_outputs, chunk_state_outputs, chunk_states, effective_dt,
@@ -332,10 +332,8 @@ def test_bad_input_is_named(change, exc, words):
 def test_more_chunks_than_a_launch_grid_holds_is_named():
     """The kernels put the chunks on a grid axis that CUDA caps at 65,535 programs: one chunk more is named
     with the chunk_size that would do, before anything launches (the inputs are expanded views, no memory)."""
-    from mambalab.validate import MAX_CHUNKS
-
     x = _valid()
-    l = 16 * MAX_CHUNKS + 1
+    l = 16 * validate.MAX_CHUNKS + 1
     stretch = lambda t: t[:, :1].expand(t.shape[0], l, *t.shape[2:])
     long = {k: stretch(x[k]) if k in ("x", "dt", "B", "C", "z") else x[k] for k in NAMES}
     with pytest.raises(ValueError, match=f"l = {l} at chunk_size = 16 makes 65536 chunks.*chunk_size = 32 or more"):

@@ -175,7 +175,6 @@ class Mamba3(nn.Module):
             self.mimo_z = nn.Parameter(torch.ones(h, r, p, device=device))                    # W^Z
             self.mimo_o = nn.Parameter(torch.full((h, r, p), 1.0 / r, device=device))        # W^O
         self.D = nn.Parameter(torch.ones(h, device=device, dtype=torch.float32))
-        self._pair_orders = {}   # MIMO: halves_order by device (:meth:`pair_order`)
         # Optimisers that honour it skip weight decay: decaying these towards 0 is not a regulariser.
         for name in ("dt_bias", "D"):
             getattr(self, name)._no_weight_decay = True
@@ -198,14 +197,11 @@ class Mamba3(nn.Module):
                 param.data = param.data.float()
         return self
 
-    def pair_order(self, device) -> torch.Tensor:
+    def pair_order(self, device=None) -> torch.Tensor:
         """MIMO's permutation of n (:func:`~mambalab.ref.mamba3.halves_order`: mamba-ssm's MIMO rotates the pairs
-        (i, i + n/2), our kernels adjacent pairs), made once per device. Not a buffer: a block built on the
-        meta device and materialised with ``to_empty`` would hold uninitialised memory in it."""
-        order = self._pair_orders.get(device)
-        if order is None:
-            order = self._pair_orders[device] = halves_order(self.d_state, self.num_rope_angles, device=device)
-        return order
+        (i, i + n/2), our kernels adjacent pairs) as an index; :meth:`scan_inputs` applies it with slices
+        (:func:`~mambalab.ref.mamba3.halves_to_pairs`), whose backward is cheaper than indexing's."""
+        return halves_order(self.d_state, self.num_rope_angles, device=device)
 
     def scan_inputs(self, projected: torch.Tensor) -> dict:
         """in_proj's output (..., sum(split_sizes)) -> the scan's keyword arguments, for a sequence
