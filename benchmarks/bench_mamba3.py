@@ -126,16 +126,16 @@ def blocks(d_models, b, l, mimo_rival, profile=False):
         for name, kw in (("siso_c64", dict(is_mimo=False, chunk_size=64)),
                          ("mimo4_c16", dict(is_mimo=True, mimo_rank=4, chunk_size=16))):
             kw = dict(kw, d_state=128, headdim=64, device="cuda", dtype=torch.bfloat16)
-            ours = Mamba3(d_model, **kw)
-            case = {"parameters": sum(t.numel() for t in ours.parameters())}
+            ours_block = Mamba3(d_model, **kw)   # not `ours`: that is the scan function above
+            case = {"parameters": sum(t.numel() for t in ours_block.parameters())}
             u = torch.randn(b, l, d_model, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             dout = torch.randn_like(u)
-            sides = [("mambalab_ms", ours)]
+            sides = [("mambalab_ms", ours_block)]
             if mimo_rival or not kw["is_mimo"]:
                 try:
-                    theirs = oracle.module("modules.mamba3").Mamba3(d_model, **kw)
-                    theirs.load_state_dict(ours.state_dict())
-                    sides.append(("mamba_ssm_ms", theirs))
+                    theirs_block = oracle.module("modules.mamba3").Mamba3(d_model, **kw)
+                    theirs_block.load_state_dict(ours_block.state_dict())
+                    sides.append(("mamba_ssm_ms", theirs_block))
                 except Exception as e:  # noqa: BLE001
                     case["mamba_ssm_ms"] = f"{type(e).__name__}: {str(e)[:500]}"
             for key, block in sides:
