@@ -45,14 +45,14 @@ def _check(args, state, *, per_token, chunk_size=None):
         for name, t in state._asdict().items():
             validate.tensor(f"state.{name}", t)
     sizes = check_inputs(*args, state, per_token=per_token, chunk_size=chunk_size)
-    r = sizes[6]
-    if chunk_size is not None and r & (r - 1):
-        raise ValueError(f"the chunked kernels take a power-of-two rank r (1, 2, 4, 8, …); got r = {r} "
-                         "(q.shape[-3])")
-    if chunk_size is not None and chunk_size * r < MIN_DOT:
-        raise ValueError(f"chunk_size · r must be at least {MIN_DOT} (the kernels' dot products); got "
-                         f"chunk_size = {chunk_size}, r = {r}")
-    if chunk_size is not None:
+    if chunk_size is not None:   # the chunked kernels' own limits
+        r = sizes[6]
+        if r & (r - 1):
+            raise ValueError(f"the chunked kernels take a power-of-two rank r (1, 2, 4, 8, …); got r = {r} "
+                             "(q.shape[-3])")
+        if chunk_size * r < MIN_DOT:
+            raise ValueError(f"chunk_size · r must be at least {MIN_DOT} (the kernels' dot products); got "
+                             f"chunk_size = {chunk_size}, r = {r}")
         validate.chunk_count(sizes[1], chunk_size)
     _device.ensure_kernel_device(args[2].device)
     return sizes
