@@ -308,6 +308,27 @@ def test_step_kernel_matches_reference(r, p, n, a, D, z, init):
         y_ref, s_ref = mamba3_step_ref(state, **tok)
 
 
+@pytest.mark.parametrize("r", [1, 3, 4, 8])
+def test_step_kernel_rank_tile_matches_the_rank_loop(r, monkeypatch):
+    """The step kernel's two ways through the ranks (step_config chooses by shape) give the same step."""
+    from mambalab.kernels.mamba3 import step as step_kernel
+    large, small = step_kernel.step_config(64, 64, 64, 4), step_kernel.step_config(16, 32, 64, 4)
+    assert large["RANK_TILE"] and not small["RANK_TILE"]   # the rule: the tile for large grids only
+    b, h, p, g, n, a = 2, 4, 16, 2, 16, 4
+    inp = make_mamba3_inputs(b, 1, h, p, g, n, r, a, D=True, z=True, init=True, dtype=torch.float32, seed=r)
+    state = Mamba3State(*(t.to(KERNEL_DEVICE) for t in inp.pop("initial_state")))
+    tok = {k: (t[:, 0] if k in SEQUENCE else t).to(KERNEL_DEVICE) for k, t in inp.items() if t is not None}
+    steps = {}
+    for tile in (False, True):
+        monkeypatch.setattr(step_kernel, "step_config",
+                            lambda *_, tile=tile: dict(BLOCK_P=8, RANK_TILE=tile, num_warps=2))
+        steps[tile] = mamba3_step(state, **tok)
+    (y_loop, s_loop), (y_tile, s_tile) = steps[False], steps[True]
+    assert_close(y_tile, y_loop, "out", 1e-5)
+    for f, got, want in zip(Mamba3State._fields, s_tile, s_loop):
+        assert_close(got, want, f"state.{f}", 1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def test_bad_input_is_named_before_launch():
     inp = make_mamba3_inputs(1, 4, 2, 16, 1, 16, 2, 2, dtype=torch.float32)

@@ -22,7 +22,8 @@ which is what MIMO's R > 1 puts to use.
 Tile rule (shape only): one program per (batch row, head, block of BLOCK_P = min(16, next_pow2(p)) head
 dimensions), the state dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step with
 a small batch enough programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed
-by every p-block; the first writes them).
+by every p-block; the first writes them). The ranks are a loop, or one (R, ·) tile whose sums over the rank
+axis stay in registers (RANK_TILE, for large grids at r >= 4): :func:`step_config` chooses, with the warps.
 
 Shapes (contiguous, fp32 on the CPU interpreter): angle (b, h, a), ssm (b, h, p, n), k_prev (b, h, r, n),
 v_prev (b, h, p); q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h); q_bias, k_bias (h, r, n);
@@ -54,6 +55,23 @@ def _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
 
 
 @triton.jit
+def _rank_pairs(rows_ptr, offs_c, mask_rc, BLOCK_R: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """R n-vectors, rows_ptr (BLOCK_R, 1) pointing at each, read whole: (even, odd), each (BLOCK_R, BLOCK_N2)."""
+    x = tl.load(rows_ptr + offs_c[None, :], mask=mask_rc, other=0.0).to(tl.float32)
+    return tl.split(tl.reshape(x, (BLOCK_R, BLOCK_N2, 2)))
+
+
+@triton.jit
+def _rank_rotated(x_ptr, bias_ptr, offs_c, mask_rc, cos, sin, BLOCK_R: tl.constexpr, BLOCK_N2: tl.constexpr):
+    """:func:`_rotated` for R rows at once: (even, odd), each (BLOCK_R, BLOCK_N2)."""
+    x0, x1 = _rank_pairs(x_ptr, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
+    b0, b1 = _rank_pairs(bias_ptr, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
+    x0 += b0
+    x1 += b1
+    return x0 * cos[None, :] - x1 * sin[None, :], x0 * sin[None, :] + x1 * cos[None, :]
+
+
+@triton.jit
 def mamba3_step_kernel(
     angle_ptr,        # (b, h, a) θ before the step
     ssm_ptr,          # (b, h, p, n) H before the step
@@ -78,6 +96,8 @@ def mamba3_step_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_P: tl.constexpr,       # head dimensions per program
     BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
+    RANK_TILE: tl.constexpr,     # all ranks as one (BLOCK_R, ·) tile, or a loop over ranks
+    BLOCK_R: tl.constexpr,       # R padded to a power of two
 ):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -110,58 +130,111 @@ def mamba3_step_kernel(
     S1 *= alpha
     beta = (1.0 - lam) * dt * alpha
     gamma = lam * dt
-    for r in tl.static_range(R):
-        wv = 1.0
-        if MIMO:
-            wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-        # β U_prev: the previous step's input, rank r
-        kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
-        vp = (beta * v_prev * wv)[:, None]
-        S0 += vp * kp0[None, :]
-        S1 += vp * kp1[None, :]
-        # γ U: this step's input, rank r
-        k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
-                          offs_c, mask_c, cos, sin, BLOCK_N2)
-        vn = (gamma * v_now * wv)[:, None]
-        S0 += vn * k0[None, :]
-        S1 += vn * k1[None, :]
-        if pid_p == 0:
-            tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
-                     mask=mask_c)
-    tl.store(ssm_out_ptr + s_ptrs, tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2)), mask=mask_pc)
-    tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
-    if pid_p == 0:
-        tl.store(angle_out_ptr + bh * a + offs_i, theta, mask=mask_a)
-
     if HAS_D:
         Dh = tl.load(D_ptr + pid_h).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    out = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    for r in tl.static_range(R):
-        q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
-                          offs_c, mask_c, cos, sin, BLOCK_N2)
-        y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
+    if RANK_TILE:
+        # every rank at once: (BLOCK_R, ·) tiles, sums over the rank axis in registers
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_r = offs_r < R
+        mask_rc = mask_r[:, None] & mask_c[None, :]
+        mask_rp = mask_r[:, None] & mask_p[None, :]
+        kp0, kp1 = _rank_pairs(kprev_ptr + (bh * R + offs_r[:, None]) * n, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
+        k0, k1 = _rank_rotated(k_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
+                               kbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
+                               BLOCK_R, BLOCK_N2)
+        w_rows = (pid_h * R + offs_r[:, None]) * p + offs_p[None, :]                  # (BLOCK_R, BLOCK_P)
         if MIMO:
-            wrow = (pid_h * R + r) * p + offs_p
-            if HAS_D:
-                y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-            if HAS_Z:
-                zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-                y = y * zr * tl.sigmoid(zr)
-            out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+            wv = tl.load(wv_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
         else:
-            if HAS_D:
-                y += Dh * v_now
-            if HAS_Z:
-                y = y * z * tl.sigmoid(z)
-            out += y
+            wv = tl.where(mask_rp, 1.0, 0.0)
+        vp = beta * v_prev[None, :] * wv                                              # (BLOCK_R, BLOCK_P)
+        vn = gamma * v_now[None, :] * wv
+        S0 += tl.sum(vp[:, :, None] * kp0[:, None, :] + vn[:, :, None] * k0[:, None, :], axis=0)
+        S1 += tl.sum(vp[:, :, None] * kp1[:, None, :] + vn[:, :, None] * k1[:, None, :], axis=0)
+        if pid_p == 0:
+            tl.store(k_out_ptr + (bh * R + offs_r[:, None]) * n + offs_c[None, :],
+                     tl.reshape(tl.join(k0, k1), (BLOCK_R, 2 * BLOCK_N2)), mask=mask_rc)
+    else:
+        for r in tl.static_range(R):
+            wv = 1.0
+            if MIMO:
+                wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+            # β U_prev: the previous step's input, rank r
+            kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
+            vp = (beta * v_prev * wv)[:, None]
+            S0 += vp * kp0[None, :]
+            S1 += vp * kp1[None, :]
+            # γ U: this step's input, rank r
+            k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
+            vn = (gamma * v_now * wv)[:, None]
+            S0 += vn * k0[None, :]
+            S1 += vn * k1[None, :]
+            if pid_p == 0:
+                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
+                         mask=mask_c)
+    tl.store(ssm_out_ptr + s_ptrs, tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2)), mask=mask_pc)
+    tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
+    if pid_p == 0:
+        tl.store(angle_out_ptr + bh * a + offs_i, theta, mask=mask_a)
+    if RANK_TILE:
+        q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
+                               qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
+                               BLOCK_R, BLOCK_N2)
+        y = tl.sum(S0[None, :, :] * q0[:, None, :] + S1[None, :, :] * q1[:, None, :], axis=2)  # (BLOCK_R, BLOCK_P)
+        if HAS_D:
+            y += Dh * v_now[None, :] * wv
+        if HAS_Z:
+            if MIMO:
+                zr = z[None, :] * tl.load(wz_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
+            else:
+                zr = z[None, :] + tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
+            y = y * zr * tl.sigmoid(zr)
+        if MIMO:
+            y *= tl.load(wo_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
+        out = tl.sum(tl.where(mask_rp, y, 0.0), axis=0)                                 # (BLOCK_P,)
+    else:
+        out = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for r in tl.static_range(R):
+            q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
+            y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
+            if MIMO:
+                wrow = (pid_h * R + r) * p + offs_p
+                if HAS_D:
+                    y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                    y = y * zr * tl.sigmoid(zr)
+                out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+            else:
+                if HAS_D:
+                    y += Dh * v_now
+                if HAS_Z:
+                    y = y * z * tl.sigmoid(z)
+                out += y
     tl.store(out_ptr + bh * p + offs_p, out.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
 def step_block_p(p: int) -> int:
     """The tile rule's BLOCK_P: min(16, next_pow2(p))."""
     return min(16, triton.next_power_of_2(p))
+
+
+def step_config(b: int, h: int, p: int, r: int) -> dict:
+    """The launch's tile choices (shape only): BLOCK_P by :func:`step_block_p`, 2 warps, and the ranks as one
+    tile (RANK_TILE) for r >= 4 on a grid of at least 8192 programs, a loop over ranks otherwise.
+
+    From an A/B on an H200 (session 18, CUDA graphs, p 64, n 128, bf16; benchmarks/results/README.md): 2 warps
+    beat 4 in five of six cases (batch 16, 32 heads: r = 1, 2, 4, 8 from 10.2, 22.7, 32.9, 53.2 to 8.5, 17.7,
+    29.3, 46.1 µs), and the rank tile took batch 64, 64 heads, r = 4 from 240 to 207 µs while it lost at batch
+    16. The 8192 sits between the grids measured (2048 and 16384 programs); it is not tuned more finely.
+    """
+    block_p = step_block_p(p)
+    programs = b * h * triton.cdiv(p, block_p)
+    return dict(BLOCK_P=block_p, RANK_TILE=r >= 4 and programs >= 8192, num_warps=2)
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
@@ -180,8 +253,8 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
     mimo = mimo_v is not None
     if mimo and mimo_z is None:   # no gate weights without a gate: a dummy, never read (HAS_Z is False)
         mimo_z = mimo_v
-    block_p = step_block_p(p)
-    grid = (b, h, triton.cdiv(p, block_p))
+    config = step_config(b, h, p, r)
+    grid = (b, h, triton.cdiv(p, config["BLOCK_P"]))
     mamba3_step_kernel[grid](
         angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles,
         D if D is not None else dt, z if z is not None else v,
@@ -189,6 +262,6 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
         out, angle_out, ssm_out, k_out, v_out,
         h, g, p, n, a,
         R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
-        BLOCK_P=block_p, BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)),
+        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r), **config,
     )
     return out, angle_out, ssm_out, k_out, v_out
