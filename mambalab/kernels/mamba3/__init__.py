@@ -19,9 +19,9 @@ from mambalab.kernels.mamba3.rank_cumsum import rank_cumsum_bwd, rank_cumsum_fwd
 from mambalab.kernels.mamba3.rank_inputs import rank_inputs_bwd, rank_inputs_fwd
 from mambalab.kernels.mamba3.rank_outputs import rank_outputs_bwd, rank_outputs_fwd
 from mambalab.kernels.mamba3.rotary import rotary_qk_bwd, rotary_qk_fwd
-from mambalab.kernels.mamba3.step import mamba3_step_fwd, step_block_p
+from mambalab.kernels.mamba3.step import mamba3_step_fwd, step_config
 
 __all__ = ["Mamba3ScanForward", "Mamba3ScanGrads", "angle_cumsum_bwd", "angle_cumsum_fwd",
            "mamba3_scan_bwd", "mamba3_scan_fwd", "mamba3_step_fwd", "rank_cumsum_bwd",
            "rank_cumsum_fwd", "rank_inputs_bwd", "rank_inputs_fwd", "rank_outputs_bwd", "rank_outputs_fwd",
-           "rotary_qk_bwd", "rotary_qk_fwd", "step_block_p"]
+           "rotary_qk_bwd", "rotary_qk_fwd", "step_config"]

@@ -218,13 +218,8 @@ def mamba3_step_kernel(
     tl.store(out_ptr + bh * p + offs_p, out.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
-def step_block_p(p: int) -> int:
-    """The tile rule's BLOCK_P: min(16, next_pow2(p))."""
-    return min(16, triton.next_power_of_2(p))
-
-
 def step_config(b: int, h: int, p: int, r: int) -> dict:
-    """The launch's tile choices (shape only): BLOCK_P by :func:`step_block_p`, 2 warps, and the ranks as one
+    """The launch's tile choices (shape only): BLOCK_P = min(16, next_pow2(p)), 2 warps, and the ranks as one
     tile (RANK_TILE) for r >= 4 on a grid of at least 8192 programs, a loop over ranks otherwise.
 
     From an A/B on an H200 (session 18, CUDA graphs, p 64, n 128, bf16; benchmarks/results/README.md): 2 warps
@@ -232,7 +227,7 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
     29.3, 46.1 µs), and the rank tile took batch 64, 64 heads, r = 4 from 240 to 207 µs while it lost at batch
     16. The 8192 sits between the grids measured (2048 and 16384 programs); it is not tuned more finely.
     """
-    block_p = step_block_p(p)
+    block_p = min(16, triton.next_power_of_2(p))
     programs = b * h * triton.cdiv(p, block_p)
     return dict(BLOCK_P=block_p, RANK_TILE=r >= 4 and programs >= 8192, num_warps=2)
 
