@@ -103,34 +103,16 @@ def execute(path: str | Path, out_dir: str | Path, parameters: dict | None = Non
 def render_html(ipynb: str | Path, out_dir: str | Path) -> Path:
     """Render an executed notebook as one standalone HTML page ``out_dir/<name>.html``; returns its path.
 
-    Figures display offline when the notebook called :func:`mambalab.viz.notebook.setup`, which puts
-    plotly.js itself into the notebook's outputs; nbconvert keeps those outputs as they are.
+    The page needs no network (:mod:`mambalab.pages`): math as MathML, widgets as static HTML, and figures
+    drawn by the plotly.js that :func:`mambalab.viz.notebook.setup` embedded in the notebook's outputs.
     """
     import nbformat
-    from nbconvert import HTMLExporter
+
+    from mambalab import pages
 
     ipynb = Path(ipynb)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     nb = nbformat.read(ipynb, as_version=4)
-    _drop_output_widget_state(nb)
-    exporter = HTMLExporter(template_name="lab")
-    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": ipynb.stem}})
-    output = out_dir / f"{ipynb.stem}.html"
-    output.write_text(body, encoding="utf-8")
-    return output
-
-
-WIDGET_STATE_MIMETYPE = "application/vnd.jupyter.widget-state+json"
-
-
-def _drop_output_widget_state(nb) -> None:
-    """Forget the saved state of Output widgets, so that nbconvert shows their static stand-in (a
-    :class:`mambalab.viz.notebook.LiveFigure`'s first figure) instead of a widget that needs a widget manager
-    from the network."""
-    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE_MIMETYPE, {}).get("state", {})
-    for model_id in [k for k, v in state.items() if v.get("model_name") == "OutputModel"]:
-        del state[model_id]
+    return pages.write(nb, Path(out_dir) / f"{ipynb.stem}.html")
 
 
 PLOTLY_MIMETYPE = "application/vnd.plotly.v1+json"
