@@ -84,3 +84,27 @@ def rotate_halves(x, theta):
     zero = torch.zeros(rows.shape[0], 1, dtype=x.dtype, device=x.device)
     turned, _, _ = rotary(rows, rows, angle, torch.zeros_like(angle), zero, rotate_pairwise=False)
     return turned.reshape(*lead, x.shape[-1])
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """``executed_notebook(path)``: the notebook at ``path`` executed as ``./run.sh workbook`` executes it
+    (papermill, a fresh kernel, no parameter overridden), once per test session; returns the executed copy.
+    tests/test_notebooks.py and the offline-page tests in tests/browser share the run. A failed run raises
+    its error again for every test that asks for that notebook."""
+    from mambalab import workbook
+
+    out = tmp_path_factory.mktemp("executed")
+    runs: dict = {}
+
+    def run(path):
+        if path not in runs:
+            try:
+                runs[path] = workbook.execute(path, out)
+            except Exception as err:  # kept, so that a second test sees the same failure, not a half-written copy
+                runs[path] = err
+        if isinstance(runs[path], Exception):
+            raise runs[path]
+        return runs[path]
+
+    return run

@@ -20,8 +20,8 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))  # globbed at collection: a ne
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_renders_offline(path, tmp_path):
-    executed = workbook.execute(path, tmp_path / "notebooks")  # raises PapermillExecutionError on failure
+def test_notebook_runs_and_renders_offline(path, tmp_path, executed_notebook):
+    executed = executed_notebook(path)  # raises PapermillExecutionError on failure
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
