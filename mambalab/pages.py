@@ -23,6 +23,7 @@ all three:
 from __future__ import annotations
 
 import html
+import re
 from pathlib import Path
 
 WIDGET_STATE_MIMETYPE = "application/vnd.jupyter.widget-state+json"
@@ -54,6 +55,9 @@ def tex_to_mathml(tex: str, display: bool) -> str:
     return mathml.replace("\\_", "_")
 
 
+_ELEMENTTREE_PREFIX = re.compile(r' xmlns:ns0="[^"]*"|(?<=<)ns0:|(?<=</)ns0:')
+
+
 def _renderer_class():
     from nbconvert.filters.markdown_mistune import IPythonRenderer
 
@@ -68,6 +72,12 @@ def _renderer_class():
 
         def latex_environment(self, name: str, body: str) -> str:
             return tex_to_mathml(f"\\begin{{{name}}}{body}\\end{{{name}}}", display=True)
+
+        def heading(self, text: str, level: int, **attrs) -> str:
+            # nbconvert adds the anchor through ElementTree, which writes MathML as <ns0:math …>: an element
+            # HTML does not know. HTML's parser makes <math> MathML by its name alone.
+            html = super().heading(text, level, **attrs)
+            return _ELEMENTTREE_PREFIX.sub("", html) if "ns0:" in html else html
 
     return MathMLRenderer
 

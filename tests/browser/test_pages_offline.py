@@ -120,7 +120,7 @@ def test_page_makes_no_request(exported_page):
 
 def test_every_formula_renders_as_math(exported_page):
     path, page = exported_page.path, exported_page.page
-    expected = formulas(path)
+    expected = formulas(exported_page.executed)
     math = page.evaluate(_MATH)
     assert len(math) == len(expected), f"{path.name}: {len(math)} math elements for {len(expected)} formulas"
     bad = [m for m in math if m["error"] or not (m["width"] > 0 and m["height"] > 0)
