@@ -70,11 +70,22 @@ class Finite:
 
     def __init__(self, name: str, x: torch.Tensor):
         self.name = name
+        x = distinct_elements(x)
         self._bounds = torch.stack(torch.aminmax(x)) if x.numel() else None
 
     def check(self) -> None:
         if self._bounds is not None and not all(math.isfinite(v) for v in self._bounds.tolist()):
             raise ValueError(f"{self.name} contains NaN or infinite values")
+
+
+def distinct_elements(x: torch.Tensor) -> torch.Tensor:
+    """A view of ``x`` without its broadcast axes (stride 0, size > 1: an ``expand``), each narrowed to its
+    first index. It holds every value ``x`` holds, and no more elements than ``x``'s storage: a check that
+    reads it never reads (or copies) an expanded tensor's repeats."""
+    for dim, (size, stride) in enumerate(zip(x.shape, x.stride())):
+        if stride == 0 and size > 1:
+            x = x.narrow(dim, 0, 1)
+    return x
 
 
 def finite(name: str, x: torch.Tensor) -> None:
@@ -105,13 +116,56 @@ def chunk_count(l: int, chunk_size: int) -> int:
     return chunks
 
 
+GRID_LIMITS = (2**31 - 1, 65_535, 65_535)   # CUDA's caps on a launch grid's axes 0, 1 and 2
+INT32_MAX = 2**31 - 1                          # the largest offset a kernel's 32-bit index arithmetic reaches
+
+
+def _fit(value: int, count: int, limit: int) -> int:
+    """The largest size that keeps ``count`` (which grows in proportion to ``value``, or a little slower, as
+    a ceiling division does) within ``limit``: a lower bound, never a size that would still fail."""
+    return value * limit // count
+
+
+def launch_grid(kernel: str, grid: Sequence[int], sizes: Sequence[tuple[str, int]],
+                hint: str = "") -> None:
+    """Each axis of ``kernel``'s launch grid within CUDA's caps (:data:`GRID_LIMITS`), checked before the launch.
+
+    ``grid``: the programs on each axis, as the launcher computes them. ``sizes``: per axis, the argument size
+    that sets it, as (what, value), e.g. ("h (x.shape[2])", 65536), so that the error says what is too large
+    and which value would fit; ``hint``: what else the caller can do (ends the message).
+    """
+    for axis, (programs, cap, size) in enumerate(zip(grid, GRID_LIMITS, sizes)):
+        if programs <= cap:
+            continue
+        what, value = size
+        raise ValueError(f"{what} = {value:,} is too large for {kernel}: it launches {programs:,} programs on "
+                         f"grid axis {axis}, and CUDA takes at most {cap:,} there; {what} = "
+                         f"{_fit(value, programs, cap):,} or less would fit{hint}")
+
+
+def int32_offsets(what: str, count: int, size: tuple[str, int], hint: str = "") -> None:
+    """``count`` (the elements, or rows, of a tensor that a kernel indexes with 32-bit integers) must stay
+    within :data:`INT32_MAX`, or the offsets wrap around: checked before the tensor is even allocated.
+
+    ``what`` names the tensor and its layout; ``size``: the argument size to reduce, as (what, value).
+    """
+    if count <= INT32_MAX:
+        return
+    name, value = size
+    raise ValueError(f"{what} would have {count:,} entries, more than the {INT32_MAX:,} the kernels index with "
+                     f"32-bit offsets: {name} = {value:,} is too large; {name} = "
+                     f"{_fit(value, count, INT32_MAX):,} or less would fit{hint}")
+
+
 class SignatureCache:
     """Remembers the argument signatures a metadata-only check accepted, so that a loop calling an op with
     same-shaped inputs (a decoding step per token) runs the check once rather than every call.
 
-    A signature is the shape, dtype and device of each tensor (None for an absent one); a check whose
-    outcome depends on nothing else gives the same answer for the same signature, so skipping it loses no
-    error. Checks that read values (:func:`finite`) must not be cached. At most ``size`` signatures are kept.
+    A signature is the shape, dtype and device of each tensor (None for an absent one) and each extra value
+    with its type (16.0 == 16 and True == 1, with equal hashes: a float or bool chunk size after an int one
+    must still meet the check that refuses it); a check whose outcome depends on nothing else gives the same
+    answer for the same signature, so skipping it loses no error. Checks that read values (:func:`finite`)
+    must not be cached. At most ``size`` signatures are kept.
     """
 
     def __init__(self, size: int = 64):
@@ -123,7 +177,8 @@ class SignatureCache:
         (raising as ``run`` raises), remembered after. ``extra``: the other values ``run`` checks (say a chunk
         size), part of the signature."""
         try:
-            key = tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors) + tuple(extra)
+            key = (tuple(None if t is None else (t.shape, t.dtype, t.device) for t in tensors)
+                   + tuple((type(v), v) for v in extra))
             seen = key in self._seen
         except (AttributeError, TypeError):   # not all tensors, or an unhashable value: the check will say which
             return run()

@@ -200,6 +200,26 @@ def test_bad_input_is_rejected_with_a_named_error(change, exc, words, monkeypatc
     assert words in str(info.value)
 
 
+
+@pytest.mark.parametrize("constant", ["B", "C", "BC"])
+def test_time_constant_B_or_C_matches_mamba_ssm_reference(constant):
+    """B or C of shape (d, n), the same at every step, as mamba-ssm's selective_scan_fn takes them: forward and
+    every gradient (dB, dC of shape (d, n), summed over b and l) against mamba-ssm's reference."""
+    b, d, n, l = 2, 4, 3, 9
+    inputs = make_inputs(b, d, n, l)
+    gen = torch.Generator().manual_seed(2)
+    for name in constant:   # "BC": both
+        inputs[name] = torch.randn(d, n, generator=gen).to(KERNEL_DEVICE)
+    dout = torch.randn(b, d, l, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    out, _, grads = run(selective_scan, inputs, dout, delta_softplus=True)
+    cpu_inputs = {k: (v.cpu() if v is not None else None) for k, v in inputs.items()}
+    ref_out, _, ref_grads = run(oracle.selective_scan_ref(), cpu_inputs, dout.cpu(), delta_softplus=True)
+    torch.testing.assert_close(out.cpu(), ref_out, atol=2e-5, rtol=1e-4)
+    for k in ref_grads:
+        scale = ref_grads[k].abs().max().item() + 1.0
+        torch.testing.assert_close(grads[k].cpu(), ref_grads[k], atol=2e-5 * scale, rtol=1e-4, msg=k)
+        assert grads[k].shape == inputs[k].shape
+
 # ---------------------------------------------------------------- GPU only
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -340,6 +340,71 @@ def test_more_chunks_than_a_launch_grid_holds_is_named():
         ssd_chunk_scan_forward(*(long[k] for k in NAMES[:5]), 16, **{k: long[k] for k in NAMES[5:]})
 
 
+# ---------------------------------------------------------------- mamba-ssm's signature
+def _parameters(fn):
+    import inspect
+
+    return [(name, p.kind, p.default) for name, p in inspect.signature(fn).parameters.items()]
+
+
+@pytest.mark.parametrize("op", ["ssd_chunk_scan", "ssd_chunk_scan_forward"])
+def test_signature_is_mamba_chunk_scan_combined_s(op):
+    """Every parameter of mamba-ssm's mamba_chunk_scan_combined, in its order, with its default; mambalab's
+    own (reduction) only after them, keyword-only."""
+    import inspect
+
+    from mambalab import ops
+
+    theirs = _parameters(oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined)
+    ours = _parameters(getattr(ops, op))
+    assert ours[:len(theirs)] == theirs
+    assert all(kind == inspect.Parameter.KEYWORD_ONLY for _, kind, _ in ours[len(theirs):])
+    assert [name for name, _, _ in ours[len(theirs):]] == (["reduction"] if op == "ssd_chunk_scan" else [])
+
+
+def test_positional_call_binds_as_mamba_ssm_s():
+    """All sixteen of mamba-ssm's arguments given by position (as a caller of mamba_chunk_scan_combined may)
+    give what the same call by keyword gives, and what ssd_ref gives for it."""
+    inp = make_inputs(1, 20, 2, 16, 1, 16)
+    limit = (0.0, 0.3)
+    args = [inp[k] for k in NAMES[:5]] + [16] + [inp[k] for k in NAMES[5:]]
+    out, final = ssd_chunk_scan_forward(*args, None, None, True, limit, True, False)
+    kw_out, kw_final = ssd_chunk_scan_forward(*args[:6], **{k: inp[k] for k in NAMES[5:]}, dt_softplus=True,
+                                              dt_limit=limit, return_final_states=True)
+    assert torch.equal(out, kw_out) and torch.equal(final, kw_final)
+    want, want_final = ssd_ref(**cpu(inp), dt_softplus=True, dt_limit=limit, return_final_states=True,
+                               method="recurrent")
+    assert_close(out, want, "out")
+    assert_close(final, want_final, "final_states")
+
+
+@pytest.mark.parametrize("name, value", [("seq_idx", "tensor"), ("cu_seqlens", "tensor"),
+                                         ("return_varlen_states", True)])
+@pytest.mark.parametrize("op", ["ssd_chunk_scan", "ssd_chunk_scan_forward"])
+def test_packed_sequences_are_named_as_not_supported(op, name, value, monkeypatch):
+    from mambalab import ops
+
+    def no_launch(*a, **k):
+        raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(kernels, "ssd_chunk_scan_fwd", no_launch)
+    inp = make_inputs(1, 16, 2, 4, 1, 4)
+    if value == "tensor":
+        value = (torch.zeros(1, 16, dtype=torch.int32) if name == "seq_idx" else
+                 torch.tensor([0, 8, 16], dtype=torch.int32)).to(KERNEL_DEVICE)
+    with pytest.raises(NotImplementedError, match=f"{name}=.*packed sequences .* not supported by mambalab's "
+                                                  "SSD kernels"):
+        getattr(ops, op)(*(inp[k] for k in NAMES[:5]), 16, **{name: value})
+
+
+def test_packed_sequence_arguments_at_their_defaults_change_nothing():
+    inp = make_inputs(1, 16, 2, 16, 1, 16)
+    plain = ssd_chunk_scan_forward(*(inp[k] for k in NAMES[:5]), 16, **{k: inp[k] for k in NAMES[5:]})
+    given = ssd_chunk_scan_forward(*(inp[k] for k in NAMES[:5]), 16, **{k: inp[k] for k in NAMES[5:]},
+                                   seq_idx=None, cu_seqlens=None, return_varlen_states=False)
+    assert torch.equal(plain, given)
+
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])  # fp32: tf32 dots

@@ -26,6 +26,7 @@ from mambalab import device as _device
 from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
+from mambalab.ops.ssd import check_kernel_limits
 from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs,
                                  entering_state, step_weights)
 
@@ -35,9 +36,10 @@ _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D",
           "mimo_o")
 
 
-def _check(args, state, *, per_token, chunk_size=None):
+def _check(args, state, *, per_token, chunk_size=None, backward=False):
     """The reference's checks, plus the kernels' own: no fp64, a chunk of at least 16 positions, a device
-    the kernels run on. Returns (b, l, h, p, g, n, r, a)."""
+    the kernels run on, sizes within their launch grids and 32-bit offsets (:func:`_check_limits`; with
+    ``backward``, the backward's too). Returns (b, l, h, p, g, n, r, a)."""
     for name, t in zip(_NAMES, args):
         if t is not None:
             validate.tensor(name, t)
@@ -55,16 +57,32 @@ def _check(args, state, *, per_token, chunk_size=None):
                              f"chunk_size = {chunk_size}, r = {r}")
         validate.chunk_count(sizes[1], chunk_size)
     _device.ensure_kernel_device(args[2].device)
+    _check_limits(sizes, args[2], chunk_size, backward)
     return sizes
 
 
-def _checked(args, state, *, per_token, chunk_size=None):
-    """:func:`_check`, once per signature: it reads only shapes, dtypes, devices, ``per_token`` and
-    ``chunk_size``, so a loop calling an op with same-shaped inputs (a decoded token, a training step) runs it
-    once, and any other signature is checked again."""
+def _check_limits(sizes, v, chunk_size, backward):
+    """The launch grids and 32-bit offsets of the kernels this op runs, before any launch. Every Mamba-3
+    kernel puts the heads on grid axis 1 (the angle cumsum (b, h), rotary (T / BLOCK_T, h), rank inputs and
+    outputs (T / BLOCK_T, h), the step (b, h, p / BLOCK_P)); the chunked scan runs the SSD kernels on
+    (b, l · r, h, p) with chunks of chunk_size · r positions and a group per head, whose limits are
+    :func:`mambalab.ops.ssd.check_kernel_limits`'."""
+    b, l, h, p, g, n, r, a = sizes
+    validate.launch_grid("the Mamba-3 kernels", (b, h), (("b (v.shape[0])", b), ("h (v.shape[-2])", h)),
+                         "; split the heads across calls")
+    if chunk_size is not None:
+        check_kernel_limits(b, l * r, h, p, n, h, chunk_size * r, v.dtype, v.device, backward)
+
+
+def _checked(args, state, *, per_token, chunk_size=None, backward=False):
+    """:func:`_check`, once per signature: it reads only shapes, dtypes, devices, ``per_token``,
+    ``chunk_size`` and ``backward``, so a loop calling an op with same-shaped inputs (a decoded token, a
+    training step) runs it once, and any other signature is checked again (a chunk size of 16.0 or True too:
+    the signature holds each value's type, :class:`mambalab.validate.SignatureCache`)."""
     fields = tuple(state) if isinstance(state, Mamba3State) else (state,)
-    return _CHECKS.check((*args, *fields), lambda: _check(args, state, per_token=per_token, chunk_size=chunk_size),
-                         extra=(per_token, chunk_size, type(state)))
+    return _CHECKS.check((*args, *fields),
+                         lambda: _check(args, state, per_token=per_token, chunk_size=chunk_size, backward=backward),
+                         extra=(per_token, chunk_size, backward, type(state)))
 
 
 class AngleFn(torch.autograd.Function):
@@ -95,9 +113,9 @@ class Mamba3ScanFn(torch.autograd.Function):
     one launch).
     One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
     kernels' dtype (bf16 on a GPU), each program's fp32 tile rounded once, in the default deterministic mode;
-    fp32 in the atomic mode. (Session 11, H200: bf16 took MIMO r = 4 from 9.85 to 9.01 ms and SISO from 2.47
-    to 2.30, raising the largest errors against fp64 of d dt from 2.1 to 2.7 % and of d angles from 7.2 to
-    8.9 % for SISO; benchmarks/results/README.md.)
+    fp32 in the atomic mode. (H200: bf16 rather than fp32 takes MIMO r = 4 from 9.85 to 9.01 ms and SISO from
+    2.47 to 2.30, raising the largest errors against fp64 of d dt from 2.1 to 2.7 % and of d angles from 7.2
+    to 8.9 % for SISO; benchmarks/results/README.md.)
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
@@ -170,8 +188,9 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
         H_t = α_t H_{t-1} + (1 - λ_t) Δ_t α_t U_{t-1} + λ_t Δ_t U_t,   U_t = Σ_r (v_t ⊙ W^V_r) k̂_{t,r}ᵀ
         out_t = Σ_r W^O_r ⊙ ((H_t q̂_{t,r} + D v_t ⊙ W^V_r) ⊙ silu(z_t ⊙ W^Z_r))
 
-    chunk_size: steps per chunk, a power of two with chunk_size · r >= 16 (the SSD kernels see chunks of
-        chunk_size · r positions; mamba-ssm suggests 64 for SISO and 64 / r for MIMO).
+    dt: no NaN or infinity (checked, as the SSD and selective scan check theirs).
+    chunk_size: steps per chunk, an int (not a float or bool), a power of two with chunk_size · r >= 16 (the
+        SSD kernels see chunks of chunk_size · r positions; mamba-ssm suggests 64 for SISO and 64 / r for MIMO).
     initial_state: a :class:`~mambalab.ref.mamba3.Mamba3State` or None. return_final_state: also return the
         state after the last step (fp32; gradients flow from its ssm, k and angle).
     reduction: how the SSD backward sums over programs: "deterministic" (per-program partials folded in a
@@ -190,7 +209,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
         raise ValueError(f"reduction must be None, 'atomic' or 'deterministic'; got {reduction!r}")
     reduction = reduction or "deterministic"
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
-    b, l, h, p, g, n, r, a = _checked(args, initial_state, per_token=False, chunk_size=chunk_size)
+    tensors = (*args, *(initial_state if isinstance(initial_state, Mamba3State) else ()))
+    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    b, l, h, p, g, n, r, a = _checked(args, initial_state, per_token=False, chunk_size=chunk_size,
+                                      backward=backward)
+    dt_finite = validate.Finite("dt", dt)   # queued here, waited for just before the first launch
     dtype_in = v.dtype
     kd = _device.compute_dtype(dtype_in, v.device)
     act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
@@ -201,6 +224,7 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     if initial_state is not None:
         initial_state = Mamba3State(*(t.float() for t in initial_state))
 
+    dt_finite.check()
     theta = AngleFn.apply(angles, dt.contiguous(),
                           None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
     gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
@@ -236,13 +260,15 @@ def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z
 
     state: :class:`~mambalab.ref.mamba3.Mamba3State`; q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h);
     q_bias, k_bias (h, r, n); angles (b, h, a); D (h,); mimo_* (h, r, p) -> (out (b, h, p) in v's dtype, new
-    state in fp32). Forward only: raises NotImplementedError when autograd would need a graph.
+    state in fp32); dt holds no NaN or infinity (checked). Forward only: raises NotImplementedError when
+    autograd would need a graph.
     """
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     if not isinstance(state, Mamba3State):
         raise TypeError(f"state must be a Mamba3State (angle, ssm, k, v); got {type(state).__name__} "
                         "(mambalab.ref.mamba3.zero_state makes an empty one)")
     _checked(args, state, per_token=True)
+    dt_finite = validate.Finite("dt", dt)   # queued here, waited for just before the launch
     tensors = [t for t in (*args, *state) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise NotImplementedError("mamba3_step is a decoding kernel without a backward and an input requires "
@@ -252,6 +278,7 @@ def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z
     activations = {"q", "k", "v", "z", "mimo_v", "mimo_z", "mimo_o"}
     prep = lambda name, t: None if t is None else t.to(kd if name in activations else torch.float32).contiguous()
     f32 = lambda t: t.float().contiguous()
+    dt_finite.check()
     out, angle, ssm, k_new, v_new = _kernels.mamba3_step_fwd(
         f32(state.angle), f32(state.ssm), f32(state.k), f32(state.v), *(prep(*na) for na in zip(_NAMES, args)))
     return out.to(v.dtype), Mamba3State(angle, ssm, k_new, v_new)

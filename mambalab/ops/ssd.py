@@ -1,7 +1,8 @@
 """Mamba-2's SSD (chunked scan) on Triton kernels.
 
 * :func:`ssd_chunk_scan`: forward and backward (an autograd.Function), drop-in for mamba-ssm's
-  ``mamba_chunk_scan_combined`` (without ``seq_idx``, ``cu_seqlens`` and the varlen outputs); gradients reach
+  ``mamba_chunk_scan_combined`` (its arguments in its order; packed sequences, ``seq_idx`` / ``cu_seqlens`` /
+  ``return_varlen_states``, raise NotImplementedError unless left at their defaults); gradients reach
   x, dt, A, B, C, D, z, dt_bias and initial_states, from out and (when returned) from final_states. Sums over
   programs in the backward go through ``reduction``: "atomic" or "deterministic" (see
   :mod:`mambalab.kernels.ssd.backward`).
@@ -22,10 +23,69 @@ from mambalab.kernels import ssd as _kernels
 MIN_CHUNK_SIZE = 16  # tl.dot wants blocks of at least 16
 
 
-def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
+PACKED = ("seq_idx", "cu_seqlens", "return_varlen_states")   # mamba-ssm's arguments for packed sequences
+
+
+def _check_packed(seq_idx, cu_seqlens, return_varlen_states):
+    """mamba-ssm's packed-sequence arguments: accepted at their defaults (None, None, False), as mamba-ssm's own
+    Mamba2 passes them; any other value raises NotImplementedError naming the argument."""
+    for name, value, default in zip(PACKED, (seq_idx, cu_seqlens, bool(return_varlen_states)), (None, None, False)):
+        if value is not default:
+            raise NotImplementedError(
+                f"{name}={'a tensor' if isinstance(value, torch.Tensor) else repr(value)}: packed sequences "
+                f"(seq_idx, cu_seqlens, return_varlen_states) are not supported by mambalab's SSD kernels yet; "
+                f"pass {name}={default!r} and run each sequence as its own batch row (or call after call, "
+                "carrying initial_states)")
+
+
+def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward):
+    """The kernels' launch grids and 32-bit offsets (read from the launchers in :mod:`mambalab.kernels.ssd` and
+    :func:`mambalab.kernels.reduce.sum_partials`), checked before any launch; ``backward``: the backward's too.
+
+    Grids, with c chunks of q and the tile rule's blocks: chunk cumsum (b, c, h / BLOCK_H), chunk states
+    (b, c, h · p / BLOCK_P), state passing (b, h, p · n / BLOCK_PN), chunk scan (b, c, h · q / BLOCK_T ·
+    p / BLOCK_P); backward: the sweep (b, h · p / BLOCK_P'), the chunk scan's (b, c, h · q / BLOCK_T') and the
+    sums over its programs, 32 partials a program on grid axis 1 (dA and d dt_bias: b · c; dD: b · c · q /
+    BLOCK_T'; dB, dC: h / g). Offsets: the kernels count positions (b · l), chunk rows (b · h · c of q),
+    state rows (b · c · h · p of n) and dD's partials (h · b · c · q / BLOCK_T') in 32-bit integers before
+    widening.
+    """
+    cfg = _kernels.tile_config(h, p, n, chunk_size, _device.compute_dtype(dtype, device))
+    cdiv = lambda a, m: -(-a // m)
+    c = cdiv(l, chunk_size)
+    bsz, lsz, hsz = ("b (x.shape[0])", b), ("l (x.shape[1])", l), ("h (x.shape[2])", h)
+    csz = ("the chunk count", c)
+    split_h = "; split the heads across calls"
+    grid = validate.launch_grid
+    grid("the SSD chunk cumsum", (b, c, cdiv(h, cfg.block_h)), (bsz, csz, hsz), split_h)
+    grid("the SSD chunk states", (b, c, h * cdiv(p, cfg.block_p)), (bsz, csz, hsz), split_h)
+    grid("the SSD state passing", (b, h, cdiv(p * n, cfg.block_pn)), (bsz, hsz, ("p · n", p * n)), split_h)
+    grid("the SSD chunk scan", (b, c, h * (chunk_size // cfg.block_t) * cdiv(p, cfg.block_p)), (bsz, csz, hsz),
+         split_h)
+    count = validate.int32_offsets
+    split_b = ": split the batch"
+    count(f"the positions (b, l) = ({b}, {l})", b * l, bsz, split_b)
+    count(f"the chunk rows of Δ (b, h, c) = ({b}, {h}, {c})", b * h * c, bsz, split_b)
+    count(f"the chunk states as rows of n, (b, c, h, p) = ({b}, {c}, {h}, {p})", b * c * h * p, bsz, split_b)
+    if not backward:
+        return
+    bt = cfg.backward_block_t
+    grid("the SSD backward sweep", (b, h * cdiv(p, cfg.sweep_backward_block_p)), (bsz, hsz), split_h)
+    grid("the SSD chunk-scan backward", (b, c, h * (chunk_size // bt)), (bsz, csz, hsz), split_h)
+    for what, partials in (("dA and d dt_bias", b * c), ("dD", b * c * (chunk_size // bt))):
+        if partials > 32:
+            grid(f"the SSD backward's sum of {what}", (1, cdiv(partials, 32)), (bsz, bsz),
+                 ": split the batch")
+    if h // g > 32:
+        grid("the SSD backward's sum of dB and dC", (1, cdiv(h // g, 32)), (hsz, ("h / g", h // g)))
+    count(f"dD's partials (h, b · c · q / {bt}) = ({h}, {b * c * (chunk_size // bt)})",
+          h * b * c * (chunk_size // bt), bsz, split_b)
+
+
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, *, backward):
     """Validate at the boundary. Raises TypeError/ValueError naming the argument; returns the check that dt is
     finite, queued on its device (:class:`mambalab.validate.Finite`: the caller waits for it just before the
-    kernels launch)."""
+    kernels launch). ``backward``: check the backward's limits too."""
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         validate.tensor(name, t)
     for name, t in (("D", D), ("z", z), ("dt_bias", dt_bias), ("initial_states", initial_states)):
@@ -67,11 +127,13 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit):
     dev = validate.same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                                initial_states=initial_states)
     _device.ensure_kernel_device(dev)
+    check_kernel_limits(b, l, h, p, n, g, chunk_size, x.dtype, dev, backward)
     return validate.Finite("dt", dt)
 
 
 def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                           dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False):
+                           seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                           return_final_states=False, return_varlen_states=False):
     """Mamba-2's SSD, forward only; the arguments and results of mamba-ssm's ``mamba_chunk_scan_combined``.
 
     Per head, with Δ_t = clamp(softplus(dt_t + dt_bias), *dt_limit) (softplus only with ``dt_softplus``):
@@ -86,17 +148,26 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
         chunk_size: q, a power of two >= 16; any l works (the last chunk is padded inside).
         D: optional (h,) or (h, p) skip.  z: optional (b, l, h, p) gate.  dt_bias: optional (h,).
         initial_states: optional (b, h, p, n) state before the first step.
+        seq_idx, cu_seqlens, return_varlen_states: mamba-ssm's packed sequences; only their defaults (None,
+            None, False) are accepted.
         dt_softplus: apply softplus to dt + dt_bias.  dt_limit: (min, max) clamp of Δ.
         return_final_states: also return the state after the last step, (b, h, p, n) fp32.
+
+    The arguments are mamba-ssm's, in its order and with its defaults, so positional calls bind alike.
 
     Returns:
         out (b, l, h, p) in x's dtype, or (out, final_states).
 
     Raises:
-        NotImplementedError: if an input requires grad while autograd is recording (this entry point is
-            forward only; :func:`ssd_chunk_scan` has the backward).
+        TypeError / ValueError naming the argument, before any launch: wrong types, dtypes, shapes, devices or
+            values (NaN or infinity in dt); sizes beyond the kernels' launch grids (h at most 65,535 heads:
+            CUDA's cap on grid axes 1 and 2; fewer for large p or q) or their 32-bit offsets.
+        NotImplementedError: for ``seq_idx``, ``cu_seqlens`` or ``return_varlen_states`` other than their
+            defaults; or if an input requires grad while autograd is recording (this entry point is forward
+            only; :func:`ssd_chunk_scan` has the backward).
     """
-    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
+    _check_packed(seq_idx, cu_seqlens, return_varlen_states)
+    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, backward=False)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
@@ -161,15 +232,17 @@ class SSDChunkScanFn(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                   dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, reduction=None):
+def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
+                   cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False,
+                   return_varlen_states=False, *, reduction=None):
     """Mamba-2's SSD with gradients; the arguments and results of mamba-ssm's ``mamba_chunk_scan_combined``.
 
     Per head, with Δ_t = clamp(softplus(dt_t + dt_bias), *dt_limit) (softplus only with ``dt_softplus``):
 
         s_t = exp(Δ_t A) s_{t-1} + Δ_t x_t B_tᵀ,    y_t = s_t C_t + D x_t,    out_t = y_t ⊙ silu(z_t)
 
-    Arguments as :func:`ssd_chunk_scan_forward`, plus
+    Arguments as :func:`ssd_chunk_scan_forward` (mamba-ssm's, in its order, with its defaults), plus, keyword
+    only,
 
         reduction: how the backward sums over programs (dA, ddt_bias, dD over batch rows and chunks; dB, dC
             over the heads of a group): "atomic" (tl.atomic_add, as mamba-ssm; on a GPU the last bits vary
@@ -180,8 +253,11 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
 
     Returns out (b, l, h, p) in x's dtype, or (out, final_states (b, h, p, n) fp32); gradients flow from both.
     """
+    _check_packed(seq_idx, cu_seqlens, return_varlen_states)
     reduction = resolve_reduction(reduction)   # None: the determinism switch's mode (default "deterministic")
-    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit)
+    tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
+    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, backward=backward)
     out, final = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, bool(dt_softplus),
                                       tuple(float(v) for v in dt_limit), reduction, dt_finite)
     return (out, final) if return_final_states else out
