@@ -1,7 +1,8 @@
 """mambalab.modules.Mamba3: decoding step by step equals the full forward (SISO and MIMO, from zero and after a
 prefill), the Triton and reference backends agree in outputs and gradients, every parameter learns, the
 parameter count is about 6 d_model², state dicts interchange with mamba-ssm's Mamba3, bad arguments fail
-clearly, a MIMO block rotates the pairs mamba-ssm's MIMO rotates. On a GPU: mamba-ssm's Mamba3 computes what ours
+clearly, a MIMO block rotates the pairs mamba-ssm's MIMO rotates, is_outproj_norm normalises as mamba-ssm's
+norm does. On a GPU: mamba-ssm's Mamba3 computes what ours
 does, SISO (its Triton kernel) and MIMO (its TileLang kernels, where TileLang is installed)."""
 import pytest
 import torch
@@ -47,7 +48,7 @@ def test_step_by_step_decoding_equals_forward(is_mimo):
     u = inputs()
     with torch.no_grad():
         y, final = m(u, return_final_state=True)
-    y_steps, state = decode(m, u, m.allocate_inference_cache(u.shape[0]))
+    y_steps, state = decode(m, u, m.zero_state(u.shape[0]))
     torch.testing.assert_close(y_steps, y, atol=1e-12, rtol=1e-10)
     for name in final._fields:
         torch.testing.assert_close(getattr(state, name), getattr(final, name), atol=1e-12, rtol=1e-10)
@@ -75,7 +76,7 @@ def test_triton_backend_matches_reference_forward_backward_and_step(is_mimo):
     torch.testing.assert_close(y_tri, y_ref, **tol(y_ref))
     for (name, p_ref), p_tri in zip(ref.named_parameters(), tri.parameters()):
         torch.testing.assert_close(p_tri.grad, p_ref.grad, **tol(p_ref.grad), msg=lambda m: f"{name}: {m}")
-    y_steps, _ = decode(tri, u[:, :4], tri.allocate_inference_cache(1))
+    y_steps, _ = decode(tri, u[:, :4], tri.zero_state(1))
     torch.testing.assert_close(y_steps, y_ref[:, :4].detach(), **tol(y_ref))
 
 
@@ -128,11 +129,29 @@ def test_mimo_block_rotates_the_pairs_mamba_ssm_mimo_rotates(monkeypatch):
     assert (adjacent - y).abs().max() > 1e-3 * y.abs().max()   # the layout matters
 
 
+def test_outproj_norm_normalises_each_head_then_gates_as_mamba_ssm_s_norm():
+    """is_outproj_norm: the scan runs without z, then mamba-ssm's gated RMSNorm (its reference rms_norm_ref)
+    normalises each head's p channels and gates by silu(z) after: y = rmsnorm_head(y) ⊙ w ⊙ silu(z)."""
+    m = make(is_outproj_norm=True)
+    u = inputs()
+    rms_norm_ref = oracle.module("ops.triton.layernorm_gated").rms_norm_ref
+    with torch.no_grad():
+        m.norm.weight.copy_(m.norm.weight.float())   # representable in fp32: the reference casts the weight to fp32
+        projected = m.in_proj(u)
+        scan = m.scan_inputs(projected)
+        assert scan["z"] is None
+        y = ref.mamba3_recurrent(**scan).flatten(-2)
+        z = projected[..., :m.d_inner]
+        want = m.out_proj(rms_norm_ref(y, m.norm.weight, None, z=z, eps=1e-5, group_size=HEADDIM,
+                                       norm_before_gate=True, upcast=False))
+        torch.testing.assert_close(m(u), want, atol=1e-12, rtol=1e-10)
+
+
 @pytest.mark.parametrize("is_mimo", [False, True], ids=["siso", "mimo"])
 def test_block_built_on_meta_then_materialised_computes_the_same(is_mimo):
     """Built on the meta device, materialised with to_empty and loaded from a state dict (how large models are
-    built): nothing the block computes with may live outside its state dict (MIMO's permutation of n did, in a
-    buffer, at 4812fc5: to_empty left it uninitialised, and the MIMO block indexed with garbage)."""
+    built): nothing the block computes with may live outside its state dict (a buffer, such as MIMO's
+    permutation of n would be, is left uninitialised by to_empty)."""
     m = make(is_mimo)
     lazy = Mamba3(D_MODEL, d_state=D_STATE, headdim=HEADDIM, ngroups=NGROUPS, is_mimo=is_mimo, mimo_rank=2,
                   chunk_size=m.chunk_size, backend="reference", device="meta").to_empty(device="cpu").double()
@@ -156,10 +175,12 @@ def test_parameter_count_is_about_six_d_model_squared(d_model, is_mimo):
     assert 1.0 < count / (6 * d_model ** 2) < (1.3 if is_mimo else 1.08)
 
 
-@pytest.mark.parametrize("is_mimo", [False, True], ids=["siso", "mimo"])
-def test_state_dict_interchanges_with_mamba_ssm(is_mimo):
+@pytest.mark.parametrize("is_mimo, is_outproj_norm", [(False, False), (True, False), (False, True)],
+                         ids=["siso", "mimo", "siso-outproj-norm"])
+def test_state_dict_interchanges_with_mamba_ssm(is_mimo, is_outproj_norm):
     upstream = oracle.module("modules.mamba3").Mamba3
-    kw = dict(d_state=16, headdim=16, ngroups=2, is_mimo=is_mimo, mimo_rank=4, device="meta")
+    kw = dict(d_state=16, headdim=16, ngroups=2, is_mimo=is_mimo, mimo_rank=4, is_outproj_norm=is_outproj_norm,
+              device="meta")
     try:
         theirs = upstream(64, **kw)
     except AssertionError as err:  # its MIMO needs TileLang kernels
@@ -196,13 +217,15 @@ def test_bad_inputs_fail_clearly():
     with pytest.raises(ValueError, match="u must have shape"):
         m(torch.randn(2, 5, D_MODEL + 1, dtype=torch.float64))
     with pytest.raises(ValueError, match="step takes one token"):
-        m.step(inputs(l=2), m.allocate_inference_cache(2))
+        m.step(inputs(l=2), m.zero_state(2))
 
 
 @requires_gpu
-@pytest.mark.parametrize("dtype, is_mimo", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)],
-                         ids=["siso-fp32", "siso-bf16", "mimo4-bf16"])
-def test_matches_mamba_ssm_mamba3_on_gpu(dtype, is_mimo):
+@pytest.mark.parametrize("dtype, is_mimo, is_outproj_norm",
+                         [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.bfloat16, True, False),
+                          (torch.float32, False, True)],
+                         ids=["siso-fp32", "siso-bf16", "mimo4-bf16", "siso-outproj-norm-fp32"])
+def test_matches_mamba_ssm_mamba3_on_gpu(dtype, is_mimo, is_outproj_norm):
     """mamba-ssm's Mamba3 loaded with our weights: SISO on its Triton kernel mamba3_siso_combined, MIMO r = 4
     on its TileLang kernels (skipped without TileLang; its MIMO rotates the pairs (i, i + n/2), which our block
     matches by permuting n, and the weights here are moved off their initial values so that a rank or a pair
@@ -212,7 +235,7 @@ def test_matches_mamba_ssm_mamba3_on_gpu(dtype, is_mimo):
     if is_mimo:
         pytest.importorskip("tilelang", reason="mamba-ssm's MIMO kernels need TileLang (tilelang==0.1.8)")
     kw = dict(d_state=128, headdim=64, is_mimo=is_mimo, mimo_rank=4, chunk_size=16 if is_mimo else 64,
-              device="cuda", dtype=dtype)
+              is_outproj_norm=is_outproj_norm, device="cuda", dtype=dtype)
     theirs = oracle.module("modules.mamba3").Mamba3(256, **kw)
     ours = Mamba3(256, **kw)
     with torch.no_grad():

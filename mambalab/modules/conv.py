@@ -24,11 +24,14 @@ def causal_conv1d(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor |
     """silu(causal conv) over a sequence: x (b, channels, l) -> (b, channels, l).
 
     If ``conv_state`` (b, channels, d_conv) is given, it is filled with the last d_conv inputs (zero-padded
-    on the left when l < d_conv), so :func:`causal_conv1d_step` can continue from there.
+    on the left when l < d_conv), so :func:`causal_conv1d_step` can continue from there. l = 0 gives an
+    empty output and a zeroed window.
     """
     l, width = x.shape[-1], conv1d.kernel_size[0]
     if conv_state is not None:
         conv_state.copy_(F.pad(x, (max(width - l, 0), 0))[..., -width:])
+    if l == 0:  # nothing to filter (and conv1d refuses an empty length)
+        return x.new_empty(x.shape)
     return F.silu(conv1d(x)[..., :l])  # drop the outputs that peek ahead
 
 

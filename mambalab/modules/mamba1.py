@@ -15,6 +15,11 @@ with A = -exp(A_log) (d, n), negative so every state decays, and D (d,) a skip c
 Decoding token by token (:meth:`Mamba1.step`) keeps two states per sequence, made by
 :meth:`Mamba1.allocate_inference_cache`: ``conv_state`` (b, d, d_conv), the last d_conv conv inputs (oldest
 first), and ``ssm_state`` (b, d, n) fp32, the scan's h. One step costs O(d · n) whatever the position.
+
+mamba-ssm's generation loop drives the block as it drives mamba-ssm's: ``forward(hidden_states,
+inference_params=p)`` keeps this layer's ``(conv_state, ssm_state)`` in ``p.key_value_memory_dict[layer_idx]``
+(made on first use), fills them from the prompt when ``p.seqlen_offset == 0`` and takes one :meth:`step`
+per call after that. mambalab's own form is ``forward(hidden_states, cache=(conv_state, ssm_state))``.
 """
 from __future__ import annotations
 
@@ -46,18 +51,24 @@ class Mamba1(nn.Module):
         dt_init: "random" (dt_proj.weight uniform in ±dt_scale / sqrt(r)) or "constant" (all dt_scale / sqrt(r)).
         dt_scale: scale of dt_proj.weight at initialisation.
         conv_bias: give conv1d a bias.  bias: give in_proj and out_proj biases.
+        use_fast_path: accepted for mamba-ssm's signature; changes nothing here (mamba-ssm's fused
+            conv-scan-projection kernel; mambalab always runs the conv, then :func:`mambalab.ops.selective_scan`).
+        layer_idx: this block's key in ``inference_params.key_value_memory_dict`` (needed only for decoding
+            with ``inference_params``).
         device, dtype: where and in what dtype to make the parameters (A_log and D are always fp32).
     """
 
     def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1,
-                 dt_init="random", dt_scale=1.0, dt_init_floor=1e-4, conv_bias=True, bias=False, device=None,
-                 dtype=None):
+                 dt_init="random", dt_scale=1.0, dt_init_floor=1e-4, conv_bias=True, bias=False, use_fast_path=True,
+                 layer_idx=None, device=None, dtype=None):
         super().__init__()
         if dt_init not in ("random", "constant"):
             raise ValueError(f'dt_init must be "random" or "constant"; got {dt_init!r}')
         if not 0 < dt_min <= dt_max:
             raise ValueError(f"need 0 < dt_min <= dt_max; got dt_min={dt_min}, dt_max={dt_max}")
         factory = {"device": device, "dtype": dtype}
+        self.use_fast_path = use_fast_path
+        self.layer_idx = layer_idx
         self.d_model = d_model
         self.d_state = d_state
         self.d_conv = d_conv
@@ -103,15 +114,25 @@ class Mamba1(nn.Module):
         # A framework that zeroes every Linear bias at init must leave this one alone.
         self.dt_proj.bias._no_reinit = True
 
-    def forward(self, hidden_states: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor] | None = None):
+    def forward(self, hidden_states: torch.Tensor, inference_params=None, *,
+                cache: tuple[torch.Tensor, torch.Tensor] | None = None):
         """hidden_states (b, l, d_model) -> (b, l, d_model).
 
-        cache: optionally ``(conv_state, ssm_state)`` from :meth:`allocate_inference_cache`; they are
+        inference_params: mamba-ssm's ``InferenceParams`` (see the module docstring): this layer's states live
+        in its ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the whole prompt runs and fills
+        them, after that each call is one :meth:`step` (l = 1).
+        cache: mambalab's form, keyword-only: ``(conv_state, ssm_state)`` from :meth:`allocate_inference_cache`,
         overwritten with the states after the last position (a prefill), so :meth:`step` can continue.
         """
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (b, l, d_model={self.d_model}); "
                              f"got {tuple(hidden_states.shape)}")
+        if inference_params is not None:
+            if cache is not None:
+                raise ValueError("pass either inference_params or cache, not both")
+            cache = self._get_states_from_cache(inference_params, hidden_states.shape[0])
+            if inference_params.seqlen_offset > 0:
+                return self.step(hidden_states, *cache)[0]
         n, r = self.d_state, self.dt_rank
 
         xz = self.in_proj(hidden_states).transpose(1, 2)         # (b, 2d, l): channels first for the conv and scan
@@ -132,20 +153,37 @@ class Mamba1(nn.Module):
             cache[1].copy_(last_state)
         return self.out_proj(y.transpose(1, 2))                  # (b, l, d_model)
 
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None):
-        """Zeroed ``(conv_state (b, d, d_conv), ssm_state (b, d, n) fp32)`` for :meth:`step`.
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None, **kwargs):
+        """Zeroed ``(conv_state (b, d, d_conv), ssm_state (b, d, n))`` for :meth:`step`: mamba-ssm's tuple.
 
-        ``max_seqlen`` is accepted for mamba-ssm's signature and unused: the states do not grow with length.
+        conv_state is in ``dtype`` (default conv1d's weight's); ssm_state in fp32 (fp64 for a fp64 block or
+        ``dtype``), where mamba-ssm uses ``dtype``: the state accumulates over the whole sequence, so it is
+        kept in at least fp32. ``max_seqlen`` and ``kwargs`` are accepted for mamba-ssm's signature and
+        unused: the states do not grow with length.
         """
         conv_state = new_conv_state(self.conv1d, batch_size, dtype)
         ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=self.conv1d.weight.device,
-                                dtype=torch.float32)
+                                dtype=torch.promote_types(dtype or self.dt_proj.weight.dtype, torch.float32))
         return conv_state, ssm_state
+
+    def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
+        """This layer's ``(conv_state, ssm_state)`` in ``inference_params.key_value_memory_dict``, made on
+        first use (zeroed again with ``initialize_states``)."""
+        if self.layer_idx is None:
+            raise ValueError("decoding with inference_params needs the block's layer_idx (its key in "
+                             "inference_params.key_value_memory_dict); construct it with layer_idx=...")
+        states = inference_params.key_value_memory_dict
+        if self.layer_idx not in states:
+            states[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        elif initialize_states:
+            for state in states[self.layer_idx]:
+                state.zero_()
+        return states[self.layer_idx]
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """Decode one token: hidden_states (b, 1, d_model) -> (out (b, 1, d_model), conv_state, ssm_state).
 
-        The states are updated in place (and returned). Running ``step`` over a sequence from zeroed states
+        mamba-ssm's ``Mamba.step``. The states are updated in place (and returned). Running ``step`` over a sequence from zeroed states
         gives the same outputs as :meth:`forward` on the whole sequence.
         """
         validate.one_token("hidden_states", hidden_states, self.d_model)

@@ -6,9 +6,9 @@ state dict saved from one loads into the other, and computes what mamba-ssm's do
 compares them on a GPU, SISO and MIMO; mamba-ssm's kernels are GPU-only). mamba-ssm rotates adjacent pairs
 (2i, 2i+1) of q and k in SISO but the pairs (i, i + n/2) in MIMO; our kernels rotate adjacent pairs, so a MIMO
 block hands them q, k and their biases with the n axis permuted (:func:`~mambalab.ref.mamba3.halves_order`),
-which computes mamba-ssm's MIMO function exactly (session 15 found the difference: before, a loaded MIMO
-block's output was 6 % of its scale away from mamba-ssm's). mamba-ssm's optional ``is_outproj_norm`` is not
-provided.
+which computes mamba-ssm's MIMO function exactly. mamba-ssm's ``is_outproj_norm`` (SISO) gates and normalises
+each head's output with a :class:`GatedRMSNorm` (group_size = p, norm_before_gate=True) instead of the gate
+inside the scan.
 
 With d = d_inner = expand · d_model channels cut into h = d / p heads of p = headdim channels, g = ngroups
 groups of B and C (n = d_state each), r = mimo_rank (1 without MIMO) and a = the number of rotary angle
@@ -41,11 +41,21 @@ notebook 03 shows failing at parity. ``dt_bias``, ``D``, ``B_bias`` and ``C_bias
 module is cast to fp16 or bf16. The parameter count is about 6 d_model² (in_proj 4 d_model², out_proj
 2 d_model², plus the B, C, Δ, A, λ and angle columns of in_proj).
 
-Decoding token by token (:meth:`Mamba3.step`) carries a :class:`~mambalab.ref.mamba3.Mamba3State` per
-sequence (:meth:`Mamba3.allocate_inference_cache`), in fp32: the accumulated angles (b, h, a), the state
-(b, h, p, n), and the previous token's k̂ (b, h, r, n) and v (b, h, p), which the trapezoidal rule needs (in
-a MIMO block the n axes of the state and k̂ are in the permuted order above, the same for :meth:`forward`'s
-final state and :meth:`step`). One step costs O(h r p n), whatever the position.
+Decoding token by token (:meth:`Mamba3.step`) carries, per sequence, the accumulated angles θ (b, h, a), the
+state (b, h, p, n), and the previous token's k̂ (rotated, bias added) and v (b, h, p), which the trapezoidal
+rule needs. One step costs O(h r p n), whatever the position. Two forms hold them:
+
+* mambalab's :class:`~mambalab.ref.mamba3.Mamba3State` (:meth:`Mamba3.zero_state`, :meth:`forward` with
+  ``return_final_state``, ``step(u, state)`` -> (out, new state)), in fp32 (fp64 in a fp64 block), k̂ as
+  (b, h, r, n); in a MIMO block the n axes of the state and k̂ are in the permuted order above.
+* mamba-ssm's tuple ``(angle_state, ssm_state, k_state, v_state)`` (:meth:`Mamba3.allocate_inference_cache`,
+  ``step(u, angle_state, ssm_state, k_state, v_state)``, updated in place), with mamba-ssm's layouts and
+  dtypes: k_state (b, r, h, n) and v_state in the block's dtype, n in mamba-ssm's order, so a state moves
+  between the two libraries unchanged. ``forward(u, inference_params=p)`` keeps it in
+  ``p.key_value_memory_dict[layer_idx]``, as mamba-ssm's generation loop expects.
+
+The angle θ in a state is kept in [0, 2π), as mamba-ssm's scan leaves it: rotations by θ and θ mod 2π are
+the same, and the reduced angle keeps its precision however long the sequence.
 
 ``backend`` picks the scan: ``"triton"`` (:func:`mambalab.ops.mamba3_chunk_scan` and
 :func:`mambalab.ops.mamba3_step`, Triton kernels with autograd; on a CPU they run in Triton's interpreter) or
@@ -63,7 +73,7 @@ import torch.nn.functional as F
 
 from mambalab import validate
 from mambalab.modules.norm import GatedRMSNorm
-from mambalab.ref.mamba3 import halves_order, halves_to_pairs, zero_state
+from mambalab.ref.mamba3 import Mamba3State, halves_order, halves_to_pairs, pairs_to_halves, zero_state
 
 __all__ = ["Mamba3", "BACKENDS", "MIMO_RANKS"]
 
@@ -99,27 +109,41 @@ def rope_angle_count(d_state: int, rope_fraction: float) -> int:
 class Mamba3(nn.Module):
     """Mamba-3 block (b, l, d_model) -> (b, l, d_model); see the module docstring for the math.
 
+    Arguments in mamba-ssm's order, with its defaults:
+
     Args:
         d_model: width of the residual stream.
         d_state: n, the state size (columns of B and C per group and rank).
         expand: d_inner = expand · d_model channels inside the block.
         headdim: p, channels per head; nheads = d_inner / headdim.
         ngroups: g, groups of B and C (q/k heads); must divide nheads.
-        rope_fraction: f in [0, 1], the fraction of the n state columns that rotate (0: a real-valued state).
-        is_mimo: use r = mimo_rank input/output channels per state update; otherwise r = 1 (SISO).
-        mimo_rank: r when is_mimo, one of 1, 2, 4, 8.
-        chunk_size: q, the scan's chunk length (mamba-ssm suggests 64 for SISO, 64 / r for MIMO).
+        rope_fraction: f in [0, 1], the fraction of the n state columns that rotate (0: a real-valued state;
+            mamba-ssm takes 0.5 or 1).
         dt_min, dt_max: at initialisation softplus(dt_bias) is log-uniform in [dt_min, dt_max] ...
         dt_init_floor: ... and at least this.
         A_floor: A is clamped to at most -A_floor, so every head decays at least a little.
+        is_outproj_norm: gate and normalise each head's output with a :class:`GatedRMSNorm` (``norm``) instead
+            of the gate inside the scan (SISO only here).
+        is_mimo: use r = mimo_rank input/output channels per state update; otherwise r = 1 (SISO).
+        mimo_rank: r when is_mimo, one of 1, 2, 4, 8.
+        chunk_size: q, the scan's chunk length (mamba-ssm suggests 64 for SISO, 64 / r for MIMO).
+        dropout: must be 0 (no dropout is implemented; mamba-ssm's Mamba3 accepts the argument and ignores it).
+        layer_idx: this block's key in ``inference_params.key_value_memory_dict`` (needed only for decoding
+            with ``inference_params``).
+        n_layer: accepted for mamba-ssm's signature (it ignores it too).
+        device, dtype: where and in what dtype to make the parameters (FP32_PARAMETERS stay fp32 under fp16/bf16).
+        **kwargs: accepted and ignored, as mamba-ssm's Mamba3 does (e.g. ``use_tilelang``, a choice of
+            mamba-ssm's kernels); kept in ``ignored_kwargs``.
+
+    mambalab's own, keyword-only:
         backend: "triton" (Triton kernels through mambalab.ops) or "reference" (pure PyTorch).
         reduction: the Triton backward's reduction ("atomic", "deterministic", or None for the default).
-        device, dtype: where and in what dtype to make the parameters (FP32_PARAMETERS stay fp32 under fp16/bf16).
     """
 
-    def __init__(self, d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, is_mimo=False,
-                 mimo_rank=4, chunk_size=64, dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, A_floor=1e-4,
-                 backend="triton", reduction=None, device=None, dtype=None):
+    def __init__(self, d_model, d_state=128, expand=2, headdim=64, ngroups=1, rope_fraction=0.5, dt_min=0.001,
+                 dt_max=0.1, dt_init_floor=1e-4, A_floor=1e-4, is_outproj_norm=False, is_mimo=False, mimo_rank=4,
+                 chunk_size=64, dropout=0.0, layer_idx=None, n_layer=None, device=None, dtype=None, *,
+                 backend="triton", reduction=None, **kwargs):
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.d_model = d_model
@@ -153,8 +177,18 @@ class Mamba3(nn.Module):
             raise ValueError(f"chunk_size must be positive; got {chunk_size}")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+        if dropout != 0:
+            raise ValueError(f"dropout: mambalab's Mamba3 has no dropout (mamba-ssm's ignores the argument); "
+                             f"pass 0, got {dropout}")
+        if is_outproj_norm and is_mimo:
+            raise NotImplementedError("is_outproj_norm with is_mimo: the per-rank output norm of a MIMO block is "
+                                      "not implemented (SISO blocks support is_outproj_norm)")
         self.backend = backend
         self.reduction = reduction
+        self.is_outproj_norm = bool(is_outproj_norm)
+        self.layer_idx = layer_idx
+        self.n_layer = n_layer
+        self.ignored_kwargs = dict(kwargs)
         self.A_floor = A_floor
         self.chunk_size = chunk_size
 
@@ -178,6 +212,8 @@ class Mamba3(nn.Module):
         # Optimisers that honour it skip weight decay: decaying these towards 0 is not a regulariser.
         for name in ("dt_bias", "D"):
             getattr(self, name)._no_weight_decay = True
+        if self.is_outproj_norm:
+            self.norm = GatedRMSNorm(self.d_inner, eps=1e-5, group_size=headdim, norm_before_gate=True, **factory)
         self.out_proj = nn.Linear(self.d_inner, d_model, bias=False, **factory)
 
     # ------------------------------------------------------------------------------------------ layout
@@ -223,51 +259,151 @@ class Mamba3(nn.Module):
         return dict(q=q, k=k, v=x.unflatten(-1, (h, p)), adt=A * dt, dt=dt,
                     trap=torch.sigmoid(f(trap)), q_bias=q_bias, k_bias=k_bias,
                     angles=omega.unsqueeze(-2).expand(*omega.shape[:-1], h, self.num_rope_angles),  # (b, l, h, a)
-                    D=self.D, z=z.unflatten(-1, (h, p)), **mimo)
+                    D=self.D, z=None if self.is_outproj_norm else z.unflatten(-1, (h, p)), **mimo)
 
     # ------------------------------------------------------------------------------------------ forward
-    def forward(self, u: torch.Tensor, initial_state=None, return_final_state: bool = False):
+    def forward(self, u: torch.Tensor, seq_idx=None, cu_seqlens=None, inference_params=None, *,
+                initial_state: Mamba3State | None = None, return_final_state: bool = False):
         """u (b, l, d_model) -> out (b, l, d_model), or (out, final_state) with ``return_final_state``.
 
-        initial_state: a :class:`~mambalab.ref.mamba3.Mamba3State` to continue from (e.g. after a prefill);
-        final_state is the state after the last position, ready for :meth:`step`.
+        seq_idx, cu_seqlens: packed variable-length sequences; not implemented (must be None).
+        inference_params: mamba-ssm's ``InferenceParams``: this layer's mamba-ssm-layout state tuple lives in
+            its ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the prompt runs from a zero
+            state and fills it, after that each call is one :meth:`step` (l = 1).
+        initial_state: keyword-only, a :class:`~mambalab.ref.mamba3.Mamba3State` to continue from (e.g. after
+            a prefill); final_state is the state after the last position, ready for :meth:`step`.
         """
+        for name, value in (("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
+            if value is not None:
+                raise NotImplementedError(f"{name}: packed variable-length sequences are not implemented in "
+                                          f"mambalab's Mamba3 yet; pass {name}=None")
         if u.dim() != 3 or u.shape[-1] != self.d_model:
             raise ValueError(f"u must have shape (b, l, d_model={self.d_model}); got {tuple(u.shape)}")
+        if inference_params is not None:
+            if initial_state is not None or return_final_state:
+                raise ValueError("inference_params keeps the state itself: pass neither initial_state nor "
+                                 "return_final_state with it")
+            cache = self._get_states_from_cache(inference_params, u.shape[0])
+            if inference_params.seqlen_offset > 0:
+                return self.step(u, *cache)[0]
+            out, state = self.forward(u, return_final_state=True)
+            self._write_cache(state, cache)
+            return out
         chunk_scan, _ = scan_functions(self.backend, self.reduction)
-        y = chunk_scan(**self.scan_inputs(self.in_proj(u)), initial_state=initial_state,
+        projected = self.in_proj(u)
+        y = chunk_scan(**self.scan_inputs(projected), initial_state=initial_state,
                        return_final_state=return_final_state, chunk_size=self.chunk_size)
         y, state = y if return_final_state else (y, None)                        # (b, l, h, p)
-        out = self.out_proj(y.flatten(-2).to(u.dtype))                           # (b, l, d_model)
-        return (out, state) if return_final_state else out
+        y = y.flatten(-2)                                                        # (b, l, d)
+        if self.is_outproj_norm:
+            y = self.norm(y, projected[..., :self.d_inner])                      # z gates after the norm
+        out = self.out_proj(y.to(u.dtype))                                       # (b, l, d_model)
+        return (out, self._wrap_angle(state)) if return_final_state else out
 
     # ------------------------------------------------------------------------------------------ decoding
-    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None):
-        """A zeroed :class:`~mambalab.ref.mamba3.Mamba3State` for :meth:`step`: angle (b, h, a),
-        ssm (b, h, p, n), k (b, h, r, n) and v (b, h, p), in fp32 (fp64 for a fp64 module or ``dtype``).
+    @staticmethod
+    def _wrap_angle(state: Mamba3State) -> Mamba3State:
+        """The state with θ reduced to [0, 2π), where mamba-ssm's scan leaves it."""
+        return state._replace(angle=torch.remainder(state.angle, 2 * math.pi))
+
+    def zero_state(self, batch_size: int, dtype=None) -> Mamba3State:
+        """mambalab's zeroed :class:`~mambalab.ref.mamba3.Mamba3State` for :meth:`step`: angle (b, h, a),
+        ssm (b, h, p, n), k (b, h, r, n) and v (b, h, p), in fp32 (fp64 for a fp64 block or ``dtype``).
 
         Zero k and v mean "no previous token", so stepping from this state equals :meth:`forward` from the
-        start. ``max_seqlen`` is accepted for mamba-ssm's signature and unused: the state does not grow.
-        """
+        start."""
         weight = self.in_proj.weight
         dtype = torch.promote_types(dtype or weight.dtype, torch.float32)
         return zero_state(batch_size, self.nheads, self.headdim, self.d_state, self.mimo_rank,
                           self.num_rope_angles, dtype, weight.device)
 
-    def step(self, u: torch.Tensor, state):
-        """Decode one token: u (b, 1, d_model), state -> (out (b, 1, d_model), new state).
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, device=None, dtype=None,
+                                 inplace_state=None, **kwargs):
+        """Zeroed ``(angle_state (b, h, a), ssm_state (b, h, p, n), k_state (b, r, h, n), v_state (b, h, p))``:
+        mamba-ssm's tuple, layouts and dtypes (angle and ssm fp32, or fp64 in a fp64 block; k and v in
+        ``dtype``, default the block's), for ``step(u, angle_state, ssm_state, k_state, v_state)``.
 
-        ``state`` is a :class:`~mambalab.ref.mamba3.Mamba3State` from :meth:`allocate_inference_cache` or
-        from :meth:`forward` with ``return_final_state=True``; it is not modified. Stepping over a sequence
-        from a zeroed state gives the outputs of :meth:`forward` on the whole sequence. The Triton step
-        kernel has no backward: call it under ``torch.no_grad()`` (or use the reference backend).
+        ``max_seqlen``, ``inplace_state`` and ``kwargs`` are accepted for mamba-ssm's signature and unused:
+        the state does not grow with length. For mambalab's state object use :meth:`zero_state`.
         """
-        validate.one_token("u", u, self.d_model)
+        weight = self.in_proj.weight
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        b, h, p, n, r = batch_size, self.nheads, self.headdim, self.d_state, self.mimo_rank
+        return (torch.zeros(b, h, self.num_rope_angles, device=device, dtype=wide),
+                torch.zeros(b, h, p, n, device=device, dtype=wide),
+                torch.zeros(b, r, h, n, device=device, dtype=dtype),
+                torch.zeros(b, h, p, device=device, dtype=dtype))
+
+    def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
+        """This layer's mamba-ssm-layout state tuple in ``inference_params.key_value_memory_dict``, made on
+        first use (zeroed again with ``initialize_states``)."""
+        if self.layer_idx is None:
+            raise ValueError("decoding with inference_params needs the block's layer_idx (its key in "
+                             "inference_params.key_value_memory_dict); construct it with layer_idx=...")
+        states = inference_params.key_value_memory_dict
+        if self.layer_idx not in states:
+            states[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        elif initialize_states:
+            for state in states[self.layer_idx]:
+                state.zero_()
+        return states[self.layer_idx]
+
+    def state_from_cache(self, cache) -> Mamba3State:
+        """mamba-ssm's ``(angle_state, ssm_state, k_state, v_state)`` -> mambalab's Mamba3State (new tensors in
+        the compute dtype; k to (b, h, r, n), and n permuted to the kernels' pair order in a MIMO block)."""
+        angle, ssm, k, v = cache
+        cd = torch.promote_types(self.in_proj.weight.dtype, torch.float32)
+        k = k.transpose(1, 2)                                                   # (b, h, r, n)
+        if self.is_mimo:
+            ssm, k = (halves_to_pairs(t, self.num_rope_angles) for t in (ssm, k))
+        return Mamba3State(angle.to(cd), ssm.to(cd), k.to(cd), v.to(cd))
+
+    def _write_cache(self, state: Mamba3State, cache) -> None:
+        """Copy a Mamba3State into mamba-ssm's tuple ``cache``, in place (its layouts and dtypes)."""
+        ssm, k = state.ssm, state.k
+        if self.is_mimo:
+            ssm, k = (pairs_to_halves(t, self.num_rope_angles) for t in (ssm, k))
+        for dst, src in zip(cache, (state.angle, ssm, k.transpose(1, 2), state.v)):
+            dst.copy_(src)
+
+    def step(self, u: torch.Tensor, *state, **kwargs):
+        """Decode one token, in either of two forms.
+
+        ``step(u, state)`` (mambalab's): u (b, 1, d_model) and a :class:`~mambalab.ref.mamba3.Mamba3State`
+        (or mamba-ssm's tuple, converted) -> (out (b, 1, d_model), new Mamba3State); ``state`` is not modified.
+
+        ``step(u, angle_state, ssm_state, k_state, v_state)`` (mamba-ssm's): u (b, d_model) or (b, 1, d_model)
+        and mamba-ssm's tuple (:meth:`allocate_inference_cache`), updated in place -> (out of u's shape,
+        angle_state, ssm_state, k_state, v_state). ``kwargs`` are ignored, as mamba-ssm's step ignores them.
+
+        Stepping over a sequence from a zero state gives the outputs of :meth:`forward` on the whole sequence.
+        The Triton step kernel has no backward: call it under ``torch.no_grad()`` (or use the reference backend).
+        """
+        if len(state) not in (1, 4):
+            raise TypeError(f"step takes u and one state (a Mamba3State) or mamba-ssm's four state tensors "
+                            f"(angle_state, ssm_state, k_state, v_state); got {len(state)} state arguments")
+        token = u.unsqueeze(1) if len(state) == 4 and u.dim() == 2 else u
+        validate.one_token("u", token, self.d_model)
+        current = state[0] if len(state) == 1 else state
+        if not isinstance(current, Mamba3State):
+            current = self.state_from_cache(current)
         _, step = scan_functions(self.backend)
-        y, state = step(state, **self.scan_inputs(self.in_proj(u[:, 0])))     # (b, h, p)
-        return self.out_proj(y.flatten(-2).to(u.dtype)).unsqueeze(1), state
+        projected = self.in_proj(token[:, 0])
+        y, new = step(current, **self.scan_inputs(projected))                   # (b, h, p)
+        new = self._wrap_angle(new)
+        y = y.flatten(-2)                                                       # (b, d)
+        if self.is_outproj_norm:
+            y = self.norm(y, projected[..., :self.d_inner])
+        out = self.out_proj(y.to(u.dtype)).unsqueeze(1)                          # (b, 1, d_model)
+        if len(state) == 1:
+            return out, new
+        self._write_cache(new, state)
+        return (out.squeeze(1) if u.dim() == 2 else out), *state
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_state={self.d_state}, nheads={self.nheads}, "
                 f"headdim={self.headdim}, ngroups={self.ngroups}, rope_angles={self.num_rope_angles}, "
-                f"mimo_rank={self.mimo_rank}, chunk_size={self.chunk_size}, backend={self.backend!r}")
+                f"mimo_rank={self.mimo_rank}, chunk_size={self.chunk_size}, backend={self.backend!r}, "
+                f"is_outproj_norm={self.is_outproj_norm}")

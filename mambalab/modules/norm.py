@@ -1,21 +1,28 @@
-"""Gated RMSNorm, as Mamba-2 applies it to the SSD output before the output projection.
+"""Gated RMSNorm and gated LayerNorm, as Mamba-2 applies them to the SSD output before the output projection.
 
-For x, z of shape (..., d), a weight w (d,), and the d channels cut into G = d / group_size groups of
-``group_size`` consecutive channels (one group when ``group_size`` is None):
+For x, z of shape (..., d), a weight w (d,), an optional bias b (d,), and the d channels cut into
+G = d / group_size groups of ``group_size`` consecutive channels (one group when ``group_size`` is None):
 
-    norm_before_gate=False (Mamba-2's choice):   v = x ⊙ silu(z)
-                                                 y = v / rms_k(v) ⊙ w
-    norm_before_gate=True:                       y = x / rms_k(x) ⊙ w ⊙ silu(z)
+    norm_before_gate=True (the default):        y = norm_k(x) ⊙ w + b, then y ⊙ silu(z)
+    norm_before_gate=False (Mamba-2's choice):  v = x ⊙ silu(z), then y = norm_k(v) ⊙ w + b
 
-    rms_k(v) = sqrt(mean of v_i² over the channels i of group k + eps)     for each channel of group k
+    RMS mode:        norm_k(v) = v / sqrt(mean_k(v²) + eps)
+    LayerNorm mode:  norm_k(v) = (v - mean_k(v)) / sqrt(mean_k((v - mean_k(v))²) + eps)
 
-Each group is normalised on its own: a group's output depends on its own channels (and weights) only. In
-Mamba-2 the groups are the ngroups groups of heads that share B and C, so a tensor-parallel rank that holds
-whole groups normalises them without any communication; one RMS over all d channels would need an
-all-reduce of the sums of squares.
+where mean_k averages over the channels of group k. Without z there is no gate and ``norm_before_gate``
+changes nothing. Each group is normalised on its own: a group's output depends on its own channels (and
+weights) only. In Mamba-2 the groups are the ngroups groups of heads that share B and C, so a
+tensor-parallel rank that holds whole groups normalises them without any communication; one RMS over all
+d channels would need an all-reduce of the sums of squares.
 
-Computes in fp32 and returns x's dtype. Parameter name and shape follow mamba-ssm's ``RMSNormGated``
-(``weight`` (d,), no bias), so state dicts interchange.
+These are mamba-ssm's ``RMSNorm`` and ``LayerNorm`` of ``mamba_ssm.ops.triton.layernorm_gated`` (imported
+there as ``RMSNormGated``): same constructor arguments and defaults, same parameter names (``weight``; and
+``bias`` for LayerNorm, which RMSNorm registers as None), so state dicts interchange, and the same
+functional forms :func:`rmsnorm_fn` and :func:`layernorm_fn`. The computation is plain PyTorch in fp32
+(fp64 for fp64 inputs), returned in x's dtype. Its backward is autograd's: the weight's gradient is one
+sum over the (rows, d) view of the input in a fixed order, with no per-program partials whose count
+depends on the GPU, so it is deterministic and the same on any GPU, and the same for any split of the
+leading dimensions into (batch, length).
 """
 from __future__ import annotations
 
@@ -23,50 +30,125 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GatedRMSNorm"]
+__all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "layernorm_fn", "rmsnorm_fn"]
 
 
-class GatedRMSNorm(nn.Module):
-    """y = rmsnorm(x ⊙ silu(z)) · weight, normalised within groups of ``group_size`` channels.
+def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
+    """Gated (RMS or Layer) norm of x (..., d) with weight (d,), bias (d,) or None, z (..., d) or None.
 
-    Args:
-        d: channels.
-        eps: added to the mean square before the square root.
-        group_size: channels per group (must divide d); None means one group of d.
-        norm_before_gate: gate after normalising (y = rmsnorm(x) · weight ⊙ silu(z)) instead of before.
-        device, dtype: of the weight (initialised to ones).
+    mamba-ssm's ``layernorm_fn`` (same arguments and defaults); see the module docstring for the math.
+    Returns x's shape and dtype.
     """
+    d = x.shape[-1]
+    group_size = d if group_size is None else int(group_size)
+    if group_size < 1 or d % group_size:
+        raise ValueError(f"group_size must divide x's last dimension {d}; got {group_size}")
+    if weight.shape != (d,):
+        raise ValueError(f"weight must have shape ({d},); got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (d,):
+        raise ValueError(f"bias must have shape ({d},) or be None; got {tuple(bias.shape)}")
+    if z is not None and z.shape != x.shape:
+        raise ValueError(f"z must have x's shape {tuple(x.shape)}; got {tuple(z.shape)}")
+    dtype = x.dtype
+    compute = torch.promote_types(dtype, torch.float32)          # fp32, or fp64 for fp64 inputs
+    # One (rows, d) view whatever the leading shape: the weight's gradient then sums over one axis of a
+    # fixed length, the same for (b, l) = (2, 8) as for (4, 4).
+    v = x.reshape(-1, d).to(compute)                               # (M, d)
+    gate = F.silu(z.reshape(-1, d).to(compute)) if z is not None else None
+    if gate is not None and not norm_before_gate:
+        v = v * gate
+    groups = v.unflatten(-1, (d // group_size, group_size))       # (M, G, group_size)
+    if not is_rms_norm:
+        groups = groups - groups.mean(dim=-1, keepdim=True)
+    rstd = torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + eps)   # (M, G, 1)
+    y = (groups * rstd).flatten(-2) * weight.to(compute)           # (M, d)
+    if bias is not None:
+        y = y + bias.to(compute)
+    if gate is not None and norm_before_gate:
+        y = y * gate
+    return y.reshape(x.shape).to(dtype)
 
-    def __init__(self, d: int, eps: float = 1e-5, group_size: int | None = None, norm_before_gate: bool = False,
-                 device=None, dtype=None):
+
+def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
+    """Gated RMSNorm of x (..., d); mamba-ssm's ``rmsnorm_fn``: :func:`layernorm_fn` with ``is_rms_norm``."""
+    return layernorm_fn(x, weight, bias, z=z, eps=eps, group_size=group_size, norm_before_gate=norm_before_gate,
+                        is_rms_norm=True)
+
+
+class _GatedNorm(nn.Module):
+    """What the RMS and LayerNorm modules share: arguments, checks, forward."""
+
+    is_rms_norm: bool
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None,
+                 *, bias: bool):
         super().__init__()
-        group_size = d if group_size is None else int(group_size)
-        if group_size < 1 or d % group_size:
-            raise ValueError(f"group_size must divide d = {d}; got {group_size}")
-        self.d = d
+        hidden_size = int(hidden_size)
+        size = hidden_size if group_size is None else int(group_size)
+        if hidden_size < 1 or size < 1 or hidden_size % size:
+            raise ValueError(f"group_size must divide hidden_size = {hidden_size}; got {group_size}")
+        self.hidden_size = hidden_size
         self.eps = eps
-        self.group_size = group_size
+        self.group_size = group_size                 # None (one group) kept as given, as mamba-ssm keeps it
         self.norm_before_gate = norm_before_gate
-        self.weight = nn.Parameter(torch.ones(d, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        """x (..., d), z (..., d) or None (no gate) -> (..., d) in x's dtype."""
-        if x.shape[-1] != self.d:
-            raise ValueError(f"x must have last dimension d = {self.d}; got shape {tuple(x.shape)}")
-        if z is not None and z.shape != x.shape:
-            raise ValueError(f"z must have x's shape {tuple(x.shape)}; got {tuple(z.shape)}")
-        dtype = x.dtype
-        v = x.float()
-        gate = F.silu(z.float()) if z is not None else None
-        if gate is not None and not self.norm_before_gate:
-            v = v * gate
-        groups = v.unflatten(-1, (self.d // self.group_size, self.group_size))  # (..., G, group_size)
-        rstd = torch.rsqrt(groups.square().mean(dim=-1, keepdim=True) + self.eps)  # (..., G, 1)
-        y = (groups * rstd).flatten(-2) * self.weight.float()                     # (..., d)
-        if gate is not None and self.norm_before_gate:
-            y = y * gate
-        return y.to(dtype)
+        """x (..., hidden_size), z (..., hidden_size) or None (no gate) -> (..., hidden_size) in x's dtype."""
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"x must have last dimension hidden_size = {self.hidden_size}; got shape "
+                             f"{tuple(x.shape)}")
+        return layernorm_fn(x, self.weight, self.bias, z=z, eps=self.eps, group_size=self.group_size,
+                            norm_before_gate=self.norm_before_gate, is_rms_norm=self.is_rms_norm)
 
     def extra_repr(self) -> str:
-        return (f"{self.d}, eps={self.eps}, group_size={self.group_size}, "
-                f"norm_before_gate={self.norm_before_gate}")
+        return (f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
+                f"norm_before_gate={self.norm_before_gate}, bias={self.bias is not None}")
+
+
+class GatedRMSNorm(_GatedNorm):
+    """y = rmsnorm(x) ⊙ weight ⊙ silu(z) (or rmsnorm(x ⊙ silu(z)) ⊙ weight), within groups of ``group_size``.
+
+    mamba-ssm's ``RMSNormGated`` (``layernorm_gated.RMSNorm``); also exported as :data:`RMSNormGated`.
+
+    Args:
+        hidden_size: d, the channels.
+        eps: added to the mean square before the square root.
+        group_size: channels per group (must divide d); None means one group of d.
+        norm_before_gate: normalise, then gate (True, mamba-ssm's default); False gates first (Mamba-2 passes it).
+        device, dtype: of the weight (initialised to ones).
+        bias: keyword-only, mambalab's addition: also learn a bias (initialised to zeros). Without it the
+            ``bias`` attribute is None, as in mamba-ssm.
+    """
+
+    is_rms_norm = True
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None,
+                 *, bias: bool = False):
+        super().__init__(hidden_size, eps, group_size, norm_before_gate, device, dtype, bias=bias)
+
+
+class GatedLayerNorm(_GatedNorm):
+    """y = layernorm(x) ⊙ weight + bias, gated by silu(z) after (or before) normalising, within groups.
+
+    mamba-ssm's ``layernorm_gated.LayerNorm``; also exported as :data:`LayerNormGated`. Arguments as
+    :class:`GatedRMSNorm`; the bias is always there (initialised to zeros), as in mamba-ssm.
+    """
+
+    is_rms_norm = False
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__(hidden_size, eps, group_size, norm_before_gate, device, dtype, bias=True)
+
+
+RMSNormGated = GatedRMSNorm
+LayerNormGated = GatedLayerNorm
