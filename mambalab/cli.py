@@ -1,7 +1,8 @@
 """The ``mambalab`` command (also ``python -m mambalab``).
 
     mambalab doctor [--json]       versions, device, determinism settings in force
-    mambalab fingerprint [options] gradient fingerprint of a fixed Mamba-2 step, with the environment
+    mambalab fingerprint [options] gradient fingerprint of a fixed Mamba-2 step, with the environment;
+                                   --save FILE keeps its tensors, --compare A B finds the first difference
     mambalab workbook [options]    execute every notebook headless into build/, render offline HTML
     mambalab train [options]       train a (tensor-parallel) Mamba-2 LM on a synthetic task; run it under
                                    torchrun for TP/DP (same flags as python -m mambalab.train)
@@ -29,15 +30,42 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fingerprint_compare(paths: list[str]) -> int:
+    from mambalab.determinism import step
+
+    try:
+        a, b = (step.load_step(p) for p in paths)
+    except ValueError as err:
+        print(f"mambalab fingerprint: error: {err}", file=sys.stderr)
+        return 2
+    diff = step.first_difference(a, b)
+    if diff is None:
+        print(f"identical: {len(a['tensors'])} tensors of {paths[0]} and {paths[1]} have the same bits "
+              f"(fingerprint {a['report'].get('fingerprint')})")
+        return 0
+    where = (f"element {list(diff['index'])}: {diff['a']!r} in {paths[0]}, {diff['b']!r} in {paths[1]}"
+             if "index" in diff else diff["problem"])
+    print(f"different: first difference in {diff['tensor']}, {where}")
+    return 1
+
+
 def _fingerprint(args: argparse.Namespace) -> int:
     from mambalab.determinism import step
 
+    if args.compare:
+        return _fingerprint_compare(args.compare)
     with contextlib.redirect_stdout(sys.stderr):  # stdout for the report alone
         try:
-            report = step.run_step(seed=args.seed, reduction=args.reduction, emulate_profile=args.emulate,
-                                   schedule_seed=args.simulate_schedule)
+            report, tensors = step.run_step(seed=args.seed, reduction=args.reduction, emulate_profile=args.emulate,
+                                            schedule_seed=args.simulate_schedule, return_tensors=True)
         except ValueError as err:
             print(f"mambalab fingerprint: error: {err}", file=sys.stderr)
+            return 2
+    if args.save:
+        try:
+            step.save_step(args.save, report, tensors)
+        except OSError as err:
+            print(f"mambalab fingerprint: error: cannot write {args.save}: {err.strerror or err}", file=sys.stderr)
             return 2
     print(json.dumps(report, indent=2) if args.json else step.format_report(report))
     return 0
@@ -84,11 +112,9 @@ def _workbook(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mambalab.train.cli import config_from_args
-    from mambalab.train.trainer import train
+    from mambalab.train.cli import run_from_args
 
-    train(config_from_args(args))
-    return 0
+    return run_from_args(args, prog="mambalab train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU interpreter only: run each launch's programs in a seeded shuffled order, a "
                         "SIMULATION of a GPU's scheduling (shows atomic reductions varying)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--save", metavar="FILE",
+                   help="also write the report and every gradient and the output (torch.save) to FILE, to "
+                        "compare with another machine's")
+    p.add_argument("--compare", nargs=2, metavar=("A", "B"),
+                   help="compare two --save files instead of running: exit 0 if identical, 1 naming the first "
+                        "tensor and element that differ, 2 if a file cannot be read")
     p.set_defaults(func=_fingerprint)
 
     p = sub.add_parser("workbook", help="execute the notebooks headless and render them as offline HTML",

@@ -151,3 +151,36 @@ def test_fingerprint_rejects_bad_flags(capsys):
     assert "invalid choice" in capsys.readouterr().err
     assert cli.main(["fingerprint", "--seed", "-1"]) == 2
     assert "seed must be a non-negative int" in capsys.readouterr().err
+
+
+def test_fingerprint_save_twice_compares_identical_and_a_perturbed_element_is_named(capsys, tmp_path):
+    a, b, c = (str(tmp_path / name) for name in ("a.pt", "b.pt", "c.pt"))
+    for path in (a, b):
+        assert cli.main(["fingerprint", "--save", path]) == 0
+    capsys.readouterr()
+    assert cli.main(["fingerprint", "--compare", a, b]) == 0
+    assert capsys.readouterr().out.startswith("identical:")
+    saved = torch.load(b, weights_only=True)
+    names = list(saved["tensors"])
+    assert names[-1] == "output" and all(n.startswith("grad/") for n in names[:-1])
+    target = "grad/in_proj.weight"
+    assert saved["tensors"][target].dim() == 2
+    before = saved["tensors"][target][3, 5].item()
+    saved["tensors"][target][3, 5] = before + 1.0   # the first tensors in order stay untouched
+    after = saved["tensors"][target][3, 5].item()   # before + 1, rounded to float32
+    torch.save(saved, c)
+    assert cli.main(["fingerprint", "--compare", a, c]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith(f"different: first difference in {target}, element [3, 5]: {before!r} in {a}, "
+                          f"{after!r} in {c}"), out
+
+
+def test_fingerprint_compare_usage_errors_are_one_line(capsys, tmp_path):
+    good = str(tmp_path / "good.pt")
+    torch.save({"report": "{}", "tensors": {"x": torch.zeros(2)}}, good)
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    for other, message in ((str(tmp_path / "missing.pt"), "missing.pt: no such file"),
+                           (str(tmp_path / "junk.pt"), "junk.pt: not a saved fingerprint")):
+        assert cli.main(["fingerprint", "--compare", good, other]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("mambalab fingerprint: error: ") and message in err[0], err

@@ -146,7 +146,7 @@ def test_command_line_flags_reach_the_config():
 
 
 def test_bf16_autocast_over_fp32_master_parameters_trains(tmp_path):
-    # The GPU path's AMP (amp="auto" there), forced on the CPU: it once failed on the H200 at its first step.
+    # The GPU path's AMP (amp="auto" there), forced on the CPU, so the CPU suite covers its first step.
     rows = train(TrainConfig(model=LMConfig(**TINY), task="mqar", batch_size=4, seq_len=16, steps=3, warmup=1,
                              amp="bf16", progress=False, out_dir=str(tmp_path)))
     assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)

@@ -24,6 +24,7 @@ for the architecture) agreed too, and different ones that it did not, which
 from __future__ import annotations
 
 import contextlib
+import json
 import platform
 from importlib.metadata import PackageNotFoundError, version as _version
 
@@ -36,7 +37,7 @@ from mambalab.determinism.fingerprint import fingerprint
 from mambalab.determinism.schedule import shuffled_program_order
 from mambalab.determinism.switch import REDUCTIONS, Settings, deterministic
 
-__all__ = ["STEP_SIZE", "format_report", "run_step"]
+__all__ = ["STEP_SIZE", "format_report", "run_step", "save_step", "load_step", "first_difference"]
 
 #: The one fixed size of the step (fingerprints only compare at the same size).
 STEP_SIZE = dict(batch=2, seqlen=64, d_model=32, d_state=16, headdim=16, expand=2, ngroups=1, chunk_size=16)
@@ -66,7 +67,7 @@ def environment() -> dict:
     }
 
 
-def _step(seed: int, reduction: str, dev: torch.device) -> dict:
+def _step(seed: int, reduction: str, dev: torch.device) -> tuple[dict, dict]:
     from mambalab.modules import Mamba2
 
     s = STEP_SIZE
@@ -80,7 +81,9 @@ def _step(seed: int, reduction: str, dev: torch.device) -> dict:
     loss = (out - target).square().mean()
     loss.backward()
     loss = float(loss.detach())
-    return {
+    tensors = {f"grad/{name}": p.grad.detach().cpu().clone() for name, p in model.named_parameters()}
+    tensors["output"] = out.detach().cpu().clone()
+    return tensors, {
         "fingerprint": fingerprint(model, grads=True),
         "parameters": {name: fingerprint(p.grad) for name, p in model.named_parameters()},
         "output": fingerprint(out),
@@ -90,7 +93,7 @@ def _step(seed: int, reduction: str, dev: torch.device) -> dict:
 
 
 def run_step(seed: int = 0, reduction: str = "deterministic", emulate_profile: str | None = None,
-             schedule_seed: int | None = None) -> dict:
+             schedule_seed: int | None = None, return_tensors: bool = False):
     """Run the fixed step; return its fingerprints (``fingerprint``: all the gradients, in order; also each
     parameter's gradient, the output and the loss) with the environment and the settings, JSON-friendly.
 
@@ -101,6 +104,8 @@ def run_step(seed: int = 0, reduction: str = "deterministic", emulate_profile: s
         emulate_profile: a key of :data:`mambalab.determinism.ARCH_PROFILES` to run under ``emulate()``.
         schedule_seed: CPU interpreter only: run under ``shuffled_program_order(schedule_seed)`` (a
             SIMULATION of a GPU's program order).
+        return_tensors: return ``(report, tensors)``, tensors being every gradient (``grad/NAME``) and the
+            output on the CPU, for :func:`save_step`.
 
     Raises:
         ValueError/TypeError naming the argument, before anything runs.
@@ -123,8 +128,8 @@ def run_step(seed: int = 0, reduction: str = "deterministic", emulate_profile: s
             stack.enter_context(shuffled_program_order(schedule_seed))
         settings = Settings.capture().as_dict()
         settings["autotune"] = autotune.policy()
-        result = _step(seed, reduction, dev)
-    return {
+        tensors, result = _step(seed, reduction, dev)
+    report = {
         **result,
         "seed": seed,
         "reduction": reduction,
@@ -138,6 +143,7 @@ def run_step(seed: int = 0, reduction: str = "deterministic", emulate_profile: s
         "environment": env,
         "settings": settings,
     }
+    return (report, tensors) if return_tensors else report
 
 
 def format_report(report: dict) -> str:
@@ -168,3 +174,50 @@ def format_report(report: dict) -> str:
         *(f"  {k}: {'-' if val is None else val}" for k, val in report["settings"].items()),
     ]
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------- saved fingerprints
+def save_step(path, report: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write ``{"report": report, "tensors": {name: tensor}}`` with ``torch.save`` (tensors on the CPU, in a
+    fixed order: every parameter's gradient in ``named_parameters()`` order as ``grad/NAME``, then ``output``)."""
+    # the report as JSON text: plain data that torch.load(weights_only=True) reads back
+    torch.save({"report": json.dumps(report), "tensors": {k: v.detach().cpu() for k, v in tensors.items()}}, path)
+
+
+def load_step(path) -> dict:
+    """A file :func:`save_step` wrote; ValueError naming the file if it is missing, unreadable or not one."""
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except Exception as e:   # a truncated or foreign file: torch says RuntimeError, EOFError, UnpicklingError …
+        raise ValueError(f"{path}: not a saved fingerprint ({type(e).__name__})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("tensors"), dict) or "report" not in data:
+        raise ValueError(f"{path}: not a saved fingerprint (expected the report and the tensors of "
+                         f"mambalab fingerprint --save)")
+    return {"report": json.loads(data["report"]), "tensors": data["tensors"]}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The elements' raw bits as integers (so -0.0 differs from 0.0, and NaN payloads count)."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().reshape(-1).view(ints)
+
+
+def first_difference(a: dict, b: dict) -> dict | None:
+    """None if the two saved steps hold the same tensors bit for bit; else the first difference, in ``a``'s
+    tensor order: ``{"tensor": name, "index": (i, j, …), "a": value, "b": value}``, or ``{"tensor": name,
+    "problem": text}`` for a tensor that is missing or has another dtype or shape."""
+    ta, tb = a["tensors"], b["tensors"]
+    for name in list(ta) + [n for n in tb if n not in ta]:
+        if name not in ta or name not in tb:
+            return {"tensor": name, "problem": f"only in {'the first' if name in ta else 'the second'} file"}
+        x, y = ta[name], tb[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return {"tensor": name, "problem": f"{x.dtype} {tuple(x.shape)} vs {y.dtype} {tuple(y.shape)}"}
+        differ = (_bits(x) != _bits(y)).nonzero()
+        if len(differ):
+            flat = int(differ[0])
+            index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), x.shape)) if x.dim() else ()
+            return {"tensor": name, "index": index, "a": x.reshape(-1)[flat].item(), "b": y.reshape(-1)[flat].item()}
+    return None

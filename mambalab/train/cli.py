@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 from mambalab.modules.lm import LMConfig
 from mambalab.train.tasks import TASKS
 from mambalab.train.trainer import INIT_HOOKS, PARAM_DTYPES, TrainConfig
 
-__all__ = ["add_arguments", "config_from_args", "main"]
+__all__ = ["add_arguments", "config_from_args", "main", "run_from_args"]
 
 _MODEL_HELP = {"vocab_size": "vocabulary (TP must divide it)", "d_model": "width of the residual stream",
                "n_layer": "Mamba-2 blocks", "d_state": "n, state size", "headdim": "p, channels per head",
@@ -32,9 +34,10 @@ _RUN_HELP = {"task": "synthetic task", "steps": "optimizer steps", "batch_size":
              "out_dir": "metrics.jsonl, config.json, summary.json", "checkpoint_dir": "sharded checkpoints",
              "checkpoint_every": "steps between checkpoints (0: only at the end)",
              "resume": "'latest' or a step folder", "deterministic": "turn on mambalab's determinism switch",
-             "timeout_s": "collectives and the watchdog give up after this many seconds",
+             "timeout_s": "collectives and the watchdog give up after this many seconds (> 0)",
              "fail_at_step": "fault injection: rank --fail-rank exits at this step (tests, demos)",
-             "progress": "tqdm bar on rank 0", "backend": "gloo or nccl (default: nccl with CUDA)"}
+             "progress": "tqdm bar on rank 0", "backend": "gloo or nccl (default: nccl with CUDA)",
+             "allow_seed_change": "resume a checkpoint saved with another seed"}
 _CHOICES = {"task": sorted(TASKS), "amp": ["auto", "bf16", "off"], "param_dtype": sorted(PARAM_DTYPES),
             "init": ["full", "local"], "init_hook": list(INIT_HOOKS), "scan": ["auto", "kernel", "reference"],
             "reduction": ["atomic", "deterministic"]}
@@ -50,6 +53,11 @@ def _add(parser, name, default, help_text=""):
                             metavar=None if name in _CHOICES else name.upper())
 
 
+def _flag_fields(cls) -> list:
+    """The fields a flag can set: those with a plain default (not e.g. LMConfig.ssm_cfg's dict)."""
+    return [f for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for every TrainConfig and LMConfig field (--d-model, --tp, --sequence-parallel, …)."""
     run = parser.add_argument_group("run")
@@ -57,26 +65,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name != "model":
             _add(run, f.name, f.default, _RUN_HELP.get(f.name, ""))
     model = parser.add_argument_group("model")
-    for f in dataclasses.fields(LMConfig):
+    for f in _flag_fields(LMConfig):
         _add(model, f.name, "auto" if f.name == "scan" else f.default, _MODEL_HELP.get(f.name, ""))
+    parser.add_argument("--debug", action="store_true", help="show the traceback of a usage error")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     import torch
 
-    model_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(LMConfig)}
+    model_kw = {f.name: getattr(args, f.name) for f in _flag_fields(LMConfig)}
     if model_kw["scan"] == "auto":   # the kernels on a GPU; on a CPU the reference (the interpreter is slow)
         model_kw["scan"] = "kernel" if torch.cuda.is_available() else "reference"
     run_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"}
-    return TrainConfig(model=LMConfig(**model_kw), **run_kw)
+    return TrainConfig(model=LMConfig(**model_kw), **run_kw)   # validated: ConfigError names a bad field
 
 
 def main(argv: list[str] | None = None) -> int:
     import mambalab  # noqa: F401  (before triton: switches on the interpreter on a CPU)
-    from mambalab.train.trainer import train
 
     parser = argparse.ArgumentParser(prog="python -m mambalab.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    train(config_from_args(parser.parse_args(argv)))
+    return run_from_args(parser.parse_args(argv))
+
+
+def run_from_args(args: argparse.Namespace, prog: str = "mambalab train") -> int:
+    """Build the config from ``args`` and train; shared by ``mambalab train`` and ``python -m mambalab.train``.
+
+    A usage error (:class:`~mambalab.train.trainer.ConfigError`: a bad field, a checkpoint that does not fit
+    the run) is one line on stderr, printed by rank 0 only under torchrun, and exit code 2; a damaged
+    checkpoint (:class:`~mambalab.train.checkpoint.CheckpointError`) one line per rank naming its file, exit
+    code 1. ``--debug`` re-raises instead, with the traceback."""
+    from mambalab.train.trainer import CheckpointError, ConfigError, train
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    try:
+        train(config_from_args(args))
+    except (ConfigError, CheckpointError) as e:
+        if getattr(args, "debug", False):
+            raise
+        usage = isinstance(e, ConfigError)
+        if rank == 0 or not usage:
+            sys.stderr.write(f"{prog}: error: {e}\n")   # one write: ranks share the terminal
+            sys.stderr.flush()
+        return 2 if usage else 1
     return 0

@@ -32,6 +32,10 @@ def _flags(obj) -> list[str]:
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value) or value is None or value == f.default:
             continue
+        if f.default is dataclasses.MISSING:   # a field no flag sets (e.g. LMConfig.ssm_cfg)
+            if value:
+                raise ValueError(f"{f.name} = {value!r} has no command-line flag; torchrun runs cannot take it")
+            continue
         flag = "--" + f.name.replace("_", "-")
         out += ([flag] if value else ["--no-" + flag[2:]]) if isinstance(value, bool) else [flag, str(value)]
     return out
@@ -67,6 +71,8 @@ def launch(cfg: TrainConfig, nproc: int, launcher: list[str] | None = None, time
     return proc
 
 
-def read_metrics(out_dir: str | Path) -> list[dict]:
-    """The per-step rows rank 0 wrote to out_dir/metrics.jsonl."""
-    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
+def read_metrics(out_dir: str | Path, events: bool = False) -> list[dict]:
+    """The per-step rows rank 0 wrote to out_dir/metrics.jsonl; with ``events``, also the event rows (such as
+    ``{"event": "resume", "from_step": N}``, written where a resumed run continues)."""
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    return rows if events else [r for r in rows if "event" not in r]

@@ -20,7 +20,7 @@ import torch
 
 from mambalab.parallel.vocab import IGNORE_INDEX
 
-__all__ = ["TASKS", "selective_copying", "mqar", "make_batch", "batch_generator"]
+__all__ = ["TASKS", "selective_copying", "mqar", "make_batch", "batch_generator", "task_requirements"]
 
 NOISE, MARKER, FIRST_DATA = 0, 1, 2
 
@@ -48,10 +48,12 @@ def selective_copying(batch: int, seq_len: int, vocab_size: int, gen: torch.Gene
 
 
 def mqar(batch: int, seq_len: int, vocab_size: int, gen: torch.Generator, n_pairs: int | None = None):
-    """(ids, targets) (b, seq_len): 2·n_pairs tokens of pairs, then seq_len - 2·n_pairs queried keys."""
-    n_pairs = n_pairs or seq_len // 4
-    n_queries = seq_len - 2 * n_pairs
+    """(ids, targets) (b, seq_len): 2·n_pairs tokens of pairs, then seq_len - 2·n_pairs queried keys.
+
+    ``n_pairs`` defaults to seq_len // 4, capped at the (vocab_size - 2) // 2 distinct keys the vocabulary holds."""
     half = (vocab_size - FIRST_DATA) // 2
+    n_pairs = n_pairs or min(seq_len // 4, half)
+    n_queries = seq_len - 2 * n_pairs
     if n_queries < 1 or n_pairs < 1 or half < n_pairs:
         raise ValueError(f"MQAR needs 1 <= n_pairs < seq_len / 2 and (vocab_size - 2) / 2 >= n_pairs distinct keys; "
                          f"got seq_len={seq_len}, n_pairs={n_pairs}, vocab_size={vocab_size}")
@@ -65,6 +67,17 @@ def mqar(batch: int, seq_len: int, vocab_size: int, gen: torch.Generator, n_pair
 
 
 TASKS = {"selective_copying": selective_copying, "mqar": mqar}
+
+
+def task_requirements(task: str, seq_len: int) -> tuple[int, int]:
+    """(smallest seq_len, smallest vocab_size) with which ``task`` generates batches at its default sizes:
+    selective copying needs 2 · n_memorize = 16 tokens and one data id beside noise and marker; MQAR needs a
+    pair and a query (4 tokens: n_pairs = seq_len // 4 >= 1) and one key and one value id."""
+    if task == "selective_copying":
+        return 16, FIRST_DATA + 1
+    if task == "mqar":
+        return 4, FIRST_DATA + 2
+    raise ValueError(f"task must be one of {sorted(TASKS)}; got {task!r}")
 
 
 def make_batch(task: str, batch: int, seq_len: int, vocab_size: int, seed: int, step: int, replica: int = 0,

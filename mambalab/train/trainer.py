@@ -44,10 +44,22 @@ from mambalab.modules.lm import LMConfig, MambaLM, reset_biases
 from mambalab.parallel import (TensorParallelMambaLM, allreduce_data_parallel_grads, allreduce_replicated_grads,
                                init_distributed, load_full_state_dict)
 from mambalab.parallel.sharding import REPLICATED, broadcast_parameters, shard_specs
-from mambalab.train.checkpoint import latest_step_dir, load_checkpoint, save_checkpoint
-from mambalab.train.tasks import make_batch
+from mambalab.train.checkpoint import CheckpointError, latest_step_dir, load_checkpoint, read_meta, save_checkpoint
+from mambalab.train.tasks import TASKS, make_batch, task_requirements
 
-__all__ = ["TrainConfig", "train", "PARAM_DTYPES", "INIT_HOOKS"]
+__all__ = ["TrainConfig", "train", "ConfigError", "CheckpointError", "PARAM_DTYPES", "INIT_HOOKS", "AMP_MODES",
+           "RESUME_MUST_MATCH"]
+
+AMP_MODES = ("auto", "bf16", "off")
+MIN_CHUNK_SIZE = 16   # the SSD kernels' tl.dot blocks; the reference scan is held to the same rule
+#: What a resumed run must share with its checkpoint: the parameters' shapes and dtypes, the shards, the data.
+RESUME_MUST_MATCH = ("model.vocab_size", "model.d_model", "model.n_layer", "model.d_state", "model.headdim",
+                     "model.ngroups", "model.expand", "model.d_conv", "model.tie_embeddings", "tp", "task",
+                     "param_dtype", "amp")
+
+
+class ConfigError(ValueError):
+    """A run that cannot start as configured (a usage error: the CLI prints it on one line, exit 2)."""
 
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # "zero-biases": a framework-style hook that zeroes every *bias (dt_bias included); "zero-biases-marked":
@@ -86,9 +98,78 @@ class TrainConfig:
     fail_rank: int = 0
     progress: bool = True          # tqdm bar on rank 0
     backend: str | None = None     # None: nccl with CUDA, else gloo
+    allow_seed_change: bool = False   # resume a checkpoint saved with another seed (else an error)
+
+    def __post_init__(self):
+        self.validate()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        """Check every field; :class:`ConfigError` (a ValueError) naming the field and the allowed range.
+
+        ``timeout_s`` must be > 0: it bounds every collective and the watchdog (there is no "no timeout")."""
+        m = self.model
+
+        def need(ok: bool, text: str) -> None:
+            if not ok:
+                raise ConfigError(text)
+
+        def integer(name: str, value, low: int) -> None:
+            need(isinstance(value, int) and not isinstance(value, bool) and value >= low,
+                 f"{name} must be an integer >= {low}; got {value!r}")
+
+        def number(name: str, value, positive: bool) -> None:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            need(ok and (value > 0 if positive else value >= 0),
+                 f"{name} must be a finite number {'> 0' if positive else '>= 0'}; got {value!r}")
+
+        need(isinstance(m, LMConfig), f"model must be an LMConfig; got {type(m).__name__}")
+        need(getattr(m, "layer", "Mamba2") == "Mamba2",
+             f"model.layer must be 'Mamba2' (the tensor-parallel model's blocks); got {getattr(m, 'layer', None)!r}")
+        for name in ("vocab_size", "d_model", "n_layer", "d_state", "headdim", "ngroups", "expand", "d_conv"):
+            integer(f"model.{name}", getattr(m, name), 1)
+        need(m.expand * m.d_model % m.headdim == 0,
+             f"model.headdim = {m.headdim} must divide d_inner = expand · d_model = {m.expand * m.d_model}")
+        need(m.nheads % m.ngroups == 0, f"model.ngroups = {m.ngroups} must divide nheads = {m.nheads}")
+        need(m.scan in ("kernel", "reference"), f"model.scan must be 'kernel' or 'reference'; got {m.scan!r}")
+        need(m.reduction in (None, "atomic", "deterministic"),
+             f"model.reduction must be None, 'atomic' or 'deterministic'; got {m.reduction!r}")
+        need(isinstance(m.chunk_size, int) and not isinstance(m.chunk_size, bool) and m.chunk_size >= MIN_CHUNK_SIZE
+             and m.chunk_size & (m.chunk_size - 1) == 0,
+             f"model.chunk_size must be a power of two >= {MIN_CHUNK_SIZE} (the SSD kernels' blocks; the "
+             f"reference scan follows the same rule); got {m.chunk_size!r}")
+        need(self.task in TASKS, f"task must be one of {sorted(TASKS)}; got {self.task!r}")
+        integer("steps", self.steps, 0)
+        integer("batch_size", self.batch_size, 1)
+        integer("seq_len", self.seq_len, 1)
+        if self.task in TASKS:
+            min_len, min_vocab = task_requirements(self.task, self.seq_len)
+            need(self.seq_len >= min_len, f"seq_len must be >= {min_len} for task {self.task!r}; got {self.seq_len}")
+            need(m.vocab_size >= min_vocab, f"model.vocab_size must be >= {min_vocab} for task {self.task!r} at "
+                                            f"seq_len {self.seq_len}; got {m.vocab_size}")
+        number("lr", self.lr, positive=True)
+        number("weight_decay", self.weight_decay, positive=False)
+        integer("warmup", self.warmup, 0)
+        number("grad_clip", self.grad_clip, positive=False)
+        integer("seed", self.seed, 0)
+        integer("tp", self.tp, 1)
+        integer("dp", self.dp, 0)
+        for what, size in (("nheads", m.nheads), ("model.ngroups", m.ngroups), ("model.vocab_size", m.vocab_size)):
+            need(size % self.tp == 0, f"tp = {self.tp} must divide {what} = {size}")
+        need(self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}; got {self.amp!r}")
+        need(self.param_dtype in PARAM_DTYPES, f"param_dtype must be one of {sorted(PARAM_DTYPES)}; "
+                                               f"got {self.param_dtype!r}")
+        need(self.init in ("full", "local"), f"init must be 'full' or 'local'; got {self.init!r}")
+        need(self.init_hook in INIT_HOOKS, f"init_hook must be one of {INIT_HOOKS}; got {self.init_hook!r}")
+        integer("checkpoint_every", self.checkpoint_every, 0)
+        need(not self.resume or self.resume == "latest" or Path(self.resume).is_dir(),
+             f"resume must be 'latest' or an existing step folder; {self.resume!r} is not a folder")
+        need(self.resume != "latest" or bool(self.checkpoint_dir),
+             "resume = 'latest' needs checkpoint_dir (the folder to look in)")
+        number("timeout_s", self.timeout_s, positive=True)
+        need(self.backend in (None, "gloo", "nccl"), f"backend must be None, 'gloo' or 'nccl'; got {self.backend!r}")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -121,8 +202,8 @@ class Watchdog:
 
 
 def _determinism(cfg: TrainConfig):
-    """(context, model config): mambalab's determinism switch, scoped to the run (issue 5's
-    :func:`mambalab.determinism.deterministic`), or, where that package is missing, its core by hand."""
+    """(context, model config): mambalab's determinism switch, scoped to the run
+    (:func:`mambalab.determinism.deterministic`), or, where that package is missing, its core by hand."""
     if not cfg.deterministic:
         return contextlib.nullcontext(), cfg.model
     try:
@@ -200,6 +281,37 @@ def _grad_norm(model, layout, specs) -> torch.Tensor:
     return sq.sqrt()
 
 
+def config_differences(saved: dict, cfg: TrainConfig) -> list[str]:
+    """The :data:`RESUME_MUST_MATCH` fields (and the seed, unless ``allow_seed_change``) where the checkpoint's
+    saved config ``saved`` (``TrainConfig.to_dict()``) and ``cfg`` differ, as "field: saved X, this run Y"."""
+    now = cfg.to_dict()
+
+    def get(d, name):
+        for part in name.split("."):
+            d = d.get(part, "(absent)") if isinstance(d, dict) else "(absent)"
+        return d
+
+    names = RESUME_MUST_MATCH + (() if cfg.allow_seed_change else ("seed",))
+    return [f"{n}: checkpoint {get(saved, n)!r}, this run {get(now, n)!r}" for n in names if get(saved, n) != get(now, n)]
+
+
+def _resume_folder(cfg: TrainConfig, layout) -> Path:
+    """The checkpoint to resume from, checked against ``cfg`` (ConfigError or CheckpointError otherwise)."""
+    if cfg.resume == "latest":
+        folder = latest_step_dir(cfg.checkpoint_dir, warn=None if layout.is_main else (lambda text: None))
+        if folder is None:
+            raise ConfigError(f"resume = 'latest': no complete checkpoint in checkpoint_dir = {cfg.checkpoint_dir!r}")
+    else:
+        folder = Path(cfg.resume)
+    saved = read_meta(folder)["config"]
+    diffs = config_differences(saved, cfg)
+    if diffs:
+        hint = " (pass allow_seed_change / --allow-seed-change to resume with another seed)" \
+            if any(d.startswith("seed:") for d in diffs) else ""
+        raise ConfigError(f"cannot resume {folder}: the run differs from the checkpoint in " + "; ".join(diffs) + hint)
+    return folder
+
+
 def _describe(layout) -> str:
     return f"rank {layout.rank} (tp_rank {layout.tp_rank}, dp_rank {layout.dp_rank})"
 
@@ -207,7 +319,11 @@ def _describe(layout) -> str:
 # --------------------------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig) -> list[dict]:
     """Run the training; returns the per-step metrics (every rank computes them; rank 0 writes them)."""
-    layout = init_distributed(cfg.tp, cfg.dp or None, backend=cfg.backend, timeout_s=cfg.timeout_s)
+    cfg.validate()   # fields may have been assigned after construction
+    try:
+        layout = init_distributed(cfg.tp, cfg.dp or None, backend=cfg.backend, timeout_s=cfg.timeout_s)
+    except ValueError as e:   # the world size does not fit tp × dp
+        raise ConfigError(str(e)) from None
     switch, model_config = _determinism(cfg)
     try:
         with switch:
@@ -221,10 +337,6 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
     from tqdm.auto import tqdm
 
     device = layout.device()
-    if cfg.param_dtype not in PARAM_DTYPES:
-        raise ValueError(f"param_dtype must be one of {sorted(PARAM_DTYPES)}; got {cfg.param_dtype!r}")
-    if cfg.init_hook not in INIT_HOOKS:
-        raise ValueError(f"init_hook must be one of {INIT_HOOKS}; got {cfg.init_hook!r}")
     use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
     def autocast():  # a fresh context each step (torch.autocast instances are not re-entrant factories)
         return torch.autocast(device.type, dtype=torch.bfloat16) if use_amp else contextlib.nullcontext()
@@ -235,11 +347,13 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
     replicated = model.replicated_parameters()
     start = 0
     if cfg.resume:
-        folder = latest_step_dir(cfg.checkpoint_dir or "") if cfg.resume == "latest" else Path(cfg.resume)
-        if folder is None or not (folder / "meta.json").exists():
-            raise FileNotFoundError(f"resume = {cfg.resume!r}: no checkpoint there (checkpoint_dir = "
-                                    f"{cfg.checkpoint_dir!r})")
+        folder = _resume_folder(cfg, layout)
         start = load_checkpoint(folder, model, optimizer, layout)
+        if start >= cfg.steps:   # nothing to train: leave what is written (summary, metrics, checkpoints) alone
+            if layout.is_main:
+                print(f"mambalab.train: {folder} is at step {start} and steps = {cfg.steps}: nothing to train, "
+                      f"nothing written", file=sys.stderr, flush=True)
+            return []
 
     out = Path(cfg.out_dir) if cfg.out_dir else None
     if out is not None and layout.is_main:
@@ -248,6 +362,8 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
                                                      "dp": layout.dp,
                                                      "num_parameters": cfg.model.num_parameters()}, indent=2))
     log = open(out / "metrics.jsonl", "a" if cfg.resume else "w") if out is not None and layout.is_main else None
+    if log is not None and cfg.resume:   # the steps after this line continue from a checkpoint
+        log.write(json.dumps({"event": "resume", "from_step": start}) + "\n")
     watchdog = Watchdog(cfg.timeout_s, lambda: _describe(layout)).start()
     tokens_per_step = cfg.batch_size * cfg.seq_len * layout.dp
     metrics, step = [], start
