@@ -1,10 +1,14 @@
-"""A small Mamba-2 language model: embedding, pre-norm residual blocks, final norm, and a (tied) head.
+"""A Mamba language model: embedding, pre-norm residual blocks, final norm, and a (tied) head.
 
 For token ids (b, l) and N = n_layer blocks of width d_model:
 
     h_0 = embedding(ids)                                  (b, l, d_model)
-    h_k = h_{k-1} + mixer_k(rmsnorm_k(h_{k-1}))           k = 1 … N, mixer = :class:`Mamba2`
+    h_k = h_{k-1} + mixer_k(rmsnorm_k(h_{k-1}))           k = 1 … N, mixer = Mamba1, Mamba2 or Mamba3
     logits = lm_head(rmsnorm_f(h_N))                      (b, l, vocab_size)
+
+``LMConfig.layer`` picks the mixer (:class:`Mamba2` by default), as ``ssm_cfg["layer"]`` does in mamba-ssm's
+``MambaLMHeadModel``; ``LMConfig.ssm_cfg`` passes further constructor arguments to every mixer. Block k's mixer
+has ``layer_idx = k``, so mamba-ssm-style decoding (``inference_params``) finds each layer's state.
 
 The head shares the embedding's weight when ``tie_embeddings`` (the default). Parameter names follow
 mamba-ssm's ``MambaLMHeadModel`` minus its ``backbone.`` prefix: ``embedding``, ``layers.{k}.norm``,
@@ -13,16 +17,21 @@ mamba-ssm's ``MambaLMHeadModel`` minus its ``backbone.`` prefix: ``embedding``, 
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab.modules.mamba1 import Mamba1
 from mambalab.modules.mamba2 import Mamba2
+from mambalab.modules.mamba3 import Mamba3
 from mambalab.modules.norm import GatedRMSNorm
 
-__all__ = ["LMConfig", "MambaLM", "reset_biases"]
+__all__ = ["LAYERS", "LMConfig", "MambaLM", "reset_biases"]
+
+# The mixers a block can hold, by the names mamba-ssm's ssm_cfg["layer"] uses.
+LAYERS = {"Mamba1": Mamba1, "Mamba2": Mamba2, "Mamba3": Mamba3}
 
 
 @dataclass(frozen=True)
@@ -41,18 +50,37 @@ class LMConfig:
     tie_embeddings: bool = True
     scan: str = "kernel"       # "kernel" (Triton) or "reference" (pure PyTorch); see mambalab.modules.mamba2
     reduction: str | None = None   # the SSD backward's reduction (None: the determinism switch decides)
+    layer: str = "Mamba2"          # the mixer: "Mamba1", "Mamba2" or "Mamba3" (see LAYERS)
+    norm_epsilon: float = 1e-5     # eps of the blocks' RMSNorms and of norm_f
+    ssm_cfg: dict = field(default_factory=dict)   # further mixer constructor arguments (e.g. dt_rank, bias)
+
+    def __post_init__(self):
+        if self.layer not in LAYERS:
+            raise ValueError(f"layer must be one of {sorted(LAYERS)}; got {self.layer!r}")
 
     def mixer_kwargs(self) -> dict:
-        return dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand, headdim=self.headdim,
-                    ngroups=self.ngroups, chunk_size=self.chunk_size, scan=self.scan,
-                    reduction=self.reduction)
+        """Constructor arguments of the mixer named by ``layer`` (layer_idx excluded)."""
+        if self.layer == "Mamba1":
+            common = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand)
+        elif self.layer == "Mamba3":
+            common = dict(d_state=self.d_state, expand=self.expand, headdim=self.headdim, ngroups=self.ngroups,
+                          chunk_size=self.chunk_size, reduction=self.reduction,
+                          backend="reference" if self.scan == "reference" else "triton")
+        else:
+            common = dict(d_state=self.d_state, d_conv=self.d_conv, expand=self.expand, headdim=self.headdim,
+                          ngroups=self.ngroups, chunk_size=self.chunk_size, scan=self.scan,
+                          reduction=self.reduction)
+        return {**common, **self.ssm_cfg}
 
     @property
     def nheads(self) -> int:
         return self.expand * self.d_model // self.headdim
 
     def num_parameters(self) -> int:
-        """Parameters of the TP = 1 model (the tied head counted once)."""
+        """Parameters of the TP = 1 Mamba-2 model (the tied head counted once)."""
+        if self.layer != "Mamba2":
+            raise NotImplementedError(f"num_parameters counts Mamba-2 models; layer is {self.layer!r} "
+                                      f"(count sum(p.numel() for p in MambaLM(config).parameters()) instead)")
         d, di, g, n, h, V = self.d_model, self.expand * self.d_model, self.ngroups, self.d_state, self.nheads, \
             self.vocab_size
         conv_dim = di + 2 * g * n
@@ -85,21 +113,37 @@ class MambaLM(nn.Module):
         d = config.d_model
         self.embedding = nn.Embedding(config.vocab_size, d, **factory)
         nn.init.normal_(self.embedding.weight, std=0.02)
+        mixer = LAYERS[config.layer]
+        eps = config.norm_epsilon
         self.layers = nn.ModuleList(
-            Block(GatedRMSNorm(d, **factory), Mamba2(d, **config.mixer_kwargs(), **factory))
-            for _ in range(config.n_layer))
-        self.norm_f = GatedRMSNorm(d, **factory)
+            Block(GatedRMSNorm(d, eps=eps, **factory), mixer(d, **config.mixer_kwargs(), layer_idx=k, **factory))
+            for k in range(config.n_layer))
+        self.norm_f = GatedRMSNorm(d, eps=eps, **factory)
         self.lm_head = nn.Linear(d, config.vocab_size, bias=False, **factory)
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, inference_params=None) -> torch.Tensor:
+        """ids (b, l) -> logits (b, l, vocab_size).
+
+        inference_params: mamba-ssm's ``InferenceParams`` (or :class:`mambalab.inference.InferenceParams`):
+        every mixer keeps its state in ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the
+        prompt runs through the chunked scans and fills the states, after that each call is one step (l = 1).
+        """
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape (b, l); got {tuple(ids.shape)}")
         h = self.embedding(ids)                              # (b, l, d_model)
         for layer in self.layers:
-            h = layer(h)
+            if inference_params is None:
+                h = layer(h)
+            else:
+                h = h + layer.mixer(layer.norm(h), inference_params=inference_params)
         return self.lm_head(self.norm_f(h))                  # (b, l, vocab_size)
+
+    def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None) -> dict:
+        """{layer_idx: that mixer's zeroed decoding state tuple}: fixed-size, whatever the length."""
+        return {k: layer.mixer.allocate_inference_cache(batch_size, max_seqlen, dtype=dtype)
+                for k, layer in enumerate(self.layers)}
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Mean cross-entropy over the targets that are not ``ignore_index``."""
