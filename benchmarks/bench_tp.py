@@ -12,7 +12,8 @@ is already in DIR):
 
 Presets (ngroups = 8 so that TP = 2, 4, 8 divide the groups; vocabulary padded to a multiple of 8):
 
-    350m   d_model 1024, 48 layers, d_state 128, headdim 64, 0.46 B parameters, 8 × 2048 tokens a step
+    460m   d_model 1024, 48 layers, d_state 128, headdim 64, 456,848,896 parameters (460M), 8 × 2048 tokens
+           a step
     2.7b   d_model 2560, 58 layers, d_state 128, headdim 64, 2.73 B parameters, 1 × 8192 tokens a step
            (mamba2-2.7b's width; 58 rather than 64 layers because 8 groups add 4.6 M parameters a layer)
     tiny   a CPU smoke test (gloo): checks that the script runs, measures nothing meaningful
@@ -38,7 +39,7 @@ from mambalab.train.trainer import TrainConfig, train  # noqa: E402
 
 VOCAB = 50280  # GPT-NeoX's 50277 padded to a multiple of 8, as the Mamba checkpoints do
 PRESETS = {
-    "350m": dict(model=dict(vocab_size=VOCAB, d_model=1024, n_layer=48, d_state=128, headdim=64, ngroups=8,
+    "460m": dict(model=dict(vocab_size=VOCAB, d_model=1024, n_layer=48, d_state=128, headdim=64, ngroups=8,
                             chunk_size=256, scan="kernel"), batch_size=8, seq_len=2048),
     "2.7b": dict(model=dict(vocab_size=VOCAB, d_model=2560, n_layer=58, d_state=128, headdim=64, ngroups=8,
                             chunk_size=256, scan="kernel"), batch_size=1, seq_len=8192),
@@ -51,7 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, required=True, help="tensor-parallel degree (= --nproc_per_node)")
     parser.add_argument("--out", required=True, help="folder for the JSON result")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="350m")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="460m")
     parser.add_argument("--steps", type=int, default=25, help="steps in all, warm-up included")
     parser.add_argument("--warmup-steps", type=int, default=5, help="first steps left out of the medians")
     parser.add_argument("--sequence-parallel", action="store_true")

@@ -97,7 +97,7 @@ def test_variation_in_subprocess_runs_a_fresh_process_and_reports_its_errors():
 
 
 def test_mamba_ssm_head_split_reads_the_sm_count():
-    # the shape: b=4, c=16 chunks, h=32, g=1 -> b*c*h = 2048 head-chunks
+    # the benchmark's shape: b=4, c=16 chunks, h=32, g=1 -> b*c*h = 2048 head-chunks
     assert ex.mamba_ssm_head_split(4, 16, 32, 1, 132) == (16, 2)    # H200
     assert ex.mamba_ssm_head_split(4, 16, 32, 1, 128) == (16, 2)    # RTX 4090: same grouping
     assert ex.mamba_ssm_head_split(4, 16, 32, 1, 84) == (25, 2)     # RTX A6000: 25 + 7 instead of 16 + 16
@@ -107,6 +107,68 @@ def test_mamba_ssm_head_split_reads_the_sm_count():
         ex.mamba_ssm_head_split(1, 1, 8, 3, 132)
     with pytest.raises(ValueError, match="sm_count must be a positive int"):
         ex.mamba_ssm_head_split(1, 1, 8, 1, 0)
+
+
+def test_mamba_ssm_norm_split_follows_the_sm_count():
+    # gated, one group of 1024 channels: next_pow2(1024) / 256 = 4 warps, so ceil(4 / 4) = 1 block per SM
+    assert ex.mamba_ssm_norm_split(256, 1024, 128) == (128, 2)
+    assert ex.mamba_ssm_norm_split(256, 1024, 84) == (84, 4)
+    # 64 channels: 1 warp, four blocks per SM (mamba-ssm's occupancy rule), shared by the groups
+    assert ex.mamba_ssm_norm_split(4096, 256, 128, group_size=64) == (128, 32)
+    assert ex.mamba_ssm_norm_split(256, 1024, 84, kind="plain") == (84, 4)
+    with pytest.raises(ValueError, match="group_size must be a positive divisor"):
+        ex.mamba_ssm_norm_split(256, 1024, 84, group_size=100)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ex.mamba_ssm_norm_split(256, 1024, 84, kind="layer")
+
+
+@requires_interpreter
+def test_norm_weight_gradient_follows_the_emulated_sm_count_in_mamba_ssm_only():
+    from mambalab.determinism import emulate, fingerprint
+
+    inputs = ex.norm_inputs(128, 1024, seed=3)
+    prints = {}
+    for impl in ("mamba_ssm", "mambalab"):
+        for profile in ("rtx4090", "rtxa6000"):   # 128 blocks of 1 row vs 84 blocks of 2 rows
+            with emulate(profile):
+                grads = ex.norm_gradients(inputs, impl=impl, kind="gated")
+            prints[impl, profile] = {k: fingerprint(v) for k, v in grads.items()}
+    assert prints["mamba_ssm", "rtx4090"]["x"] == prints["mamba_ssm", "rtxa6000"]["x"]
+    assert prints["mamba_ssm", "rtx4090"]["weight"] != prints["mamba_ssm", "rtxa6000"]["weight"]
+    assert prints["mambalab", "rtx4090"] == prints["mambalab", "rtxa6000"]
+    # both compute the same gradient, to fp32 rounding, against a float64 autograd reference
+    x = inputs["x"].double().requires_grad_()
+    w = inputs["weight"].double().requires_grad_()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-5) * w * torch.nn.functional.silu(inputs["z"].double())
+    y.backward(inputs["dout"].double())
+    with emulate("rtx4090"):
+        ours = ex.norm_gradients(inputs, impl="mamba_ssm", kind="gated")
+    torch.testing.assert_close(ours["weight"].double(), w.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ex.norm_gradients(inputs, impl="mambalab")["weight"].double(), w.grad,
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_norm_gradients_rejects_bad_arguments():
+    inputs = ex.norm_inputs(4, 8)
+    with pytest.raises(ValueError, match="impl must be"):
+        ex.norm_gradients(inputs, impl="apex")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        ex.norm_gradients(inputs, kind="layer")
+
+
+def test_source_excerpt_shows_the_lines_between_two_markers():
+    from mambalab.kernels.ssd import chunk_cumsum
+
+    src = dp.source_excerpt(chunk_cumsum.chunk_cumsum_bwd_kernel, "if REDUCE_ATOMIC", "tl.store(dbias_ptr")
+    lines = src.code.splitlines()
+    assert lines[0] == "if REDUCE_ATOMIC:" and "tl.store(dbias_ptr" in lines[-1]
+    assert "tl.atomic_add(dA_ptr" in src.code
+    first, last = map(int, src.caption.rsplit(":", 1)[1].rstrip(")").split("-"))
+    assert last - first + 1 == len(lines)
+    with open(chunk_cumsum.__file__) as f:
+        assert f.read().splitlines()[first - 1].strip() == "if REDUCE_ATOMIC:"
+    with pytest.raises(ValueError, match="contains 'no such line'"):
+        dp.source_excerpt(chunk_cumsum.chunk_cumsum_bwd_kernel, "no such line")
 
 
 @requires_interpreter
@@ -215,3 +277,14 @@ def test_gpu_deterministic_fingerprints_are_one_value():
                                  reduction="deterministic", simulate=False)
     assert len({r["row0"] for r in rows}) == 1
     assert all(len({r["summed"] for r in rows if r["batch"] == b}) == 1 for b in (1, 4))
+
+
+def test_split_groupings_figure_colours_each_grouping_once():
+    fig = dp.split_groupings_figure(4, 4096, 32, 1, 256)
+    bars = [t for t in fig.data if t.type == "bar"]
+    # 132 and 128 SMs group alike; 84, 82 (25 heads), 108 (19) and 58 (capped at 32) each otherwise
+    assert sum(len(t.x) for t in bars) == 7
+    assert sorted(t.y[0] for t in bars) == sorted({ex.mamba_ssm_head_split(4, 16, 32, 1, sm)[0]
+                                                    for sm in (128, 84, 82, 108, 132, 58)})
+    assert f"mamba-ssm {len(bars)} distinct" in fig.layout.title.text
+    assert fig.layout.xaxis.title.text and fig.layout.yaxis.title.text

@@ -1,8 +1,10 @@
 """mambalab.viz.parallel_plots and mambalab.parallel.cost: the figures draw what the layers hold and cost."""
 import mambalab  # noqa: F401
 from mambalab.modules.lm import LMConfig
-from mambalab.parallel.cost import collectives_per_layer, memory_per_rank
-from mambalab.viz.parallel_plots import communication_figure, curves_figure, memory_figure, split_figure
+import pytest
+
+from mambalab.parallel.cost import allreduce_bytes, collectives_per_layer, layer_communication, memory_per_rank
+from mambalab.viz.parallel_plots import communication_figure, curves_figure, memory_figure, split_figure, tp_cost_figure
 
 
 def test_split_figure_gives_each_rank_an_equal_share_of_every_piece():
@@ -36,3 +38,27 @@ def test_mamba2_needs_half_the_collectives_of_mamba1_and_attention():
     assert table["Transformer (attention + MLP)"]["backward"] == 2
     assert len(communication_figure(table, 1024).data) == 3
     assert len(curves_figure({"a": [1.0, 2.0], "b": [float("nan")]}, "t", "y").data) == 2
+
+
+def test_layer_communication_sends_the_same_bytes_with_sequence_parallelism_and_splits_the_activations():
+    plain = layer_communication(64, 32, 4, sequence_parallel=False)
+    split = layer_communication(64, 32, 4, sequence_parallel=True)
+    # a ring all-reduce is a reduce-scatter plus an all-gather: each moves (T-1)/T of the tensor per rank
+    one_pass = 3 * (64 * 32 // 4) * 2
+    assert plain["forward_bytes"] == split["forward_bytes"] == plain["backward_bytes"] == 2 * one_pass
+    assert split["activation_bytes"] * 4 == plain["activation_bytes"] == 64 * 32 * 2
+    assert allreduce_bytes(1000, 1) == 0
+    with pytest.raises(ValueError, match="tp must divide them"):
+        layer_communication(64, 30, 4, sequence_parallel=True)
+    with pytest.raises(ValueError, match="tp must be a positive int"):
+        allreduce_bytes(10, 0)
+
+
+def test_tp_cost_figure_adds_state_and_activations_per_rank():
+    state = {1: 2**30, 2: 2**29}
+    fig = tp_cost_figure(state, d_model=64, n_layer=2, batch=1, seqlen=32, tp=2, sequence_parallel=True)
+    held = [bar for bar in fig.data if bar.x[0] == "per rank"]
+    assert held[0].y[0] == 0.5 and held[1].y[0] == 2 * (32 * 64 * 2 // 2) / 2**30
+    assert fig.layout.title.text and fig.layout.yaxis.title.text and fig.layout.yaxis2.title.text
+    with pytest.raises(ValueError, match="tp = 4 has no training-state entry"):
+        tp_cost_figure(state, d_model=64, n_layer=2, batch=1, seqlen=32, tp=4, sequence_parallel=False)

@@ -14,6 +14,13 @@
   distinct bit patterns and the largest difference from the first run.
 * **mamba-ssm's SM-count-derived split**: :func:`mamba_ssm_head_split` gives the number of heads each
   program of mamba-ssm's dB/dC backward sums before its final ``sum`` (a function of the SM count).
+* **The norms' weight gradients**: mamba-ssm's ``RMSNormGated`` (``ops/triton/layernorm_gated.py``) and
+  ``RMSNorm`` (``ops/triton/layer_norm.py``) backwards give each program a block of rows and sum the programs'
+  weight-gradient partials with a final ``sum``; the number of programs comes from ``multi_processor_count``.
+  :func:`mamba_ssm_norm_split` gives that grouping; :func:`norm_inputs` and :func:`norm_gradients` run one
+  norm forward+backward (mamba-ssm's Triton kernels, or mambalab's
+  :func:`mambalab.modules.norm.rmsnorm_fn`), which under :func:`mambalab.determinism.emulate` reads the
+  emulated SM count, on a GPU and on the CPU interpreter alike.
 * **Two machines train the same model**: :func:`train_losses` trains a tiny :class:`mambalab.modules.Mamba2`
   regressor from a fixed seed and returns its loss per step, optionally under ``emulate(profile)`` and, on
   the CPU interpreter, under a seeded program-order *simulation* of a GPU's scheduling.
@@ -35,7 +42,8 @@ import triton.language as tl
 
 __all__ = ["PER_ROW_GRADS", "SSD_GRAD_NAMES", "SUMMED_GRADS", "AtomicSumRun", "GradientVariation", "atomic_sum",
            "atomic_sum_kernel", "batch_with_row0", "fingerprint_matrix", "float_bits", "fold_in_order",
-           "gradient_variation", "mamba_ssm_head_split", "order_spread", "ordered_sum", "ssd_gradients", "ssd_inputs",
+           "gradient_variation", "mamba_ssm_head_split", "mamba_ssm_norm_split", "norm_gradients", "norm_inputs",
+           "order_spread", "ordered_sum", "ssd_gradients", "ssd_inputs",
            "time_ssd_fwd_bwd", "TrainRun", "train_losses", "variation_in_subprocess"]
 
 _FORMATS = {  # dtype: (exponent bits, mantissa bits, integer view)
@@ -331,6 +339,81 @@ def mamba_ssm_head_split(b: int, c: int, h: int, g: int, sm_count: int) -> tuple
     per_group = h // g
     per_program = max(min(math.ceil(b * c * h / sm_count), per_group), 1)
     return per_program, math.ceil(per_group / per_program)
+
+
+NORM_KINDS = ("gated", "plain")
+
+
+def mamba_ssm_norm_split(rows: int, d: int, sm_count: int, *, kind: str = "gated", group_size: int | None = None,
+                         element_size: int = 4) -> tuple[int, int]:
+    """(row blocks, rows per block) of mamba-ssm 2.3.2's norm backward for a (rows, d) input: each program
+    sums the weight gradient dw_j = Σ_m dy_mj x̂_mj over its block of rows into a partial, and ``_dw.sum(0)``
+    adds the partials. Both counts follow the SM count, so the grouping of the additions, and so dw's bits,
+    depend on the GPU, in mamba-ssm's deterministic mode too (the norms have no other mode).
+
+    kind "gated" (``layernorm_gated._layer_norm_bwd``, Mamba-2's ``RMSNormGated``), with G = d / group_size
+    groups and warps = clamp(next_pow2(group_size) / 256, 1, 8)::
+
+        row blocks = ceil(sm_count · ceil(4 / warps) / G)
+
+    kind "plain" (``layer_norm._layer_norm_bwd``, the blocks' ``RMSNorm``): row blocks = sm_count. In both,
+    rows per block = ceil(rows / row blocks). ``element_size``: bytes per element of x (4 for fp32)."""
+    if kind not in NORM_KINDS:
+        raise ValueError(f"kind must be one of {NORM_KINDS}; got {kind!r}")
+    for name, v in (("rows", rows), ("d", d), ("sm_count", sm_count), ("element_size", element_size)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    if kind == "plain":
+        blocks = sm_count
+    else:
+        group_size = d if group_size is None else group_size
+        if not isinstance(group_size, int) or group_size < 1 or d % group_size:
+            raise ValueError(f"group_size must be a positive divisor of d = {d}; got {group_size!r}")
+        block_n = min(65536 // element_size, triton.next_power_of_2(group_size))
+        warps = min(max(block_n // 256, 1), 8)
+        blocks = math.ceil(sm_count * math.ceil(4 / warps) / (d // group_size))
+    return blocks, math.ceil(rows / blocks)
+
+
+def norm_inputs(rows: int, d: int, *, dtype=torch.float32, device="cpu", seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random inputs of a norm forward+backward: x, z, dout (rows, d) in ``dtype``, weight (d,) fp32 near 1."""
+    gen = torch.Generator().manual_seed(seed)
+    inp = {"x": torch.randn(rows, d, generator=gen), "z": torch.randn(rows, d, generator=gen),
+           "weight": 1.0 + 0.1 * torch.randn(d, generator=gen), "dout": torch.randn(rows, d, generator=gen)}
+    return {k: (v if k == "weight" else v.to(dtype)).to(device) for k, v in inp.items()}
+
+
+def norm_gradients(inputs: Mapping[str, torch.Tensor], *, impl: str = "mamba_ssm", kind: str = "gated",
+                   group_size: int | None = None, eps: float = 1e-5) -> dict[str, torch.Tensor]:
+    """One RMS-norm forward+backward on ``inputs`` (from :func:`norm_inputs`): {"weight": dw, "x": dx}.
+
+    kind "gated": y = rmsnorm_g(x) ⊙ w ⊙ silu(z) (norm before the gate, per group of ``group_size``
+    channels); "plain": y = rmsnorm(x) ⊙ w. impl "mamba_ssm": mamba-ssm's Triton kernels
+    (``layernorm_gated.rmsnorm_fn``, ``layer_norm.rms_norm_fn``); they read ``multi_processor_count``, so on a
+    machine without a GPU call this inside :func:`mambalab.determinism.emulate`, which answers for the
+    profile and lets the kernels run on Triton's interpreter. impl "mambalab":
+    :func:`mambalab.modules.norm.rmsnorm_fn` (``z=None`` for "plain")."""
+    if impl not in ("mambalab", "mamba_ssm"):
+        raise ValueError(f"impl must be 'mambalab' or 'mamba_ssm'; got {impl!r}")
+    if kind not in NORM_KINDS:
+        raise ValueError(f"kind must be one of {NORM_KINDS}; got {kind!r}")
+    x = inputs["x"].detach().requires_grad_()
+    w = inputs["weight"].detach().requires_grad_()
+    z = inputs["z"] if kind == "gated" else None
+    if impl == "mambalab":
+        from mambalab.modules.norm import rmsnorm_fn
+
+        y = rmsnorm_fn(x, w, None, z=z, eps=eps, group_size=group_size, norm_before_gate=True)
+    else:
+        from mambalab import oracle
+
+        if kind == "gated":
+            y = oracle.module("ops.triton.layernorm_gated").rmsnorm_fn(x, w, None, z=z, eps=eps, group_size=group_size,
+                                                                        norm_before_gate=True)
+        else:
+            y = oracle.module("ops.triton.layer_norm").rms_norm_fn(x, w, None, eps=eps)
+    y.backward(inputs["dout"])
+    return {"weight": w.grad, "x": x.grad}
 
 
 # ----------------------------------------------------------------------------------- two machines train

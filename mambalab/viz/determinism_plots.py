@@ -7,7 +7,11 @@
 * :func:`landing_order_figure`: which program's atomic add landed when, one row per run.
 * :func:`loss_curves_figure`: loss curves of two "machines" overlaid, and their difference per step.
 * :func:`cost_figure`: forward+backward time of each variant, and its ratio to a baseline.
+* :func:`split_groupings_figure`: for each GPU profile, how mamba-ssm's dB/dC backward groups the heads of a
+  group at a given shape (heads per program), beside mambalab's one grouping; the widget's figure in notebook 05.
 * :func:`table`: a small table that displays as HTML in a notebook and as aligned text elsewhere.
+* :func:`source_excerpt`: the lines of a function (ours, or mamba-ssm's installed source) from the first line
+  containing one string to the next containing another, with a caption naming the file and lines.
 
 Every figure builder returns a ``plotly.graph_objects.Figure`` with a title, labelled axes and units.
 The computations they draw live in :mod:`mambalab.determinism.experiments`.
@@ -23,11 +27,41 @@ from plotly.subplots import make_subplots
 
 from mambalab.determinism.experiments import AtomicSumRun, float_bits, ordered_sum
 
-__all__ = ["Table", "bits_html", "cost_figure", "landing_order_figure", "loss_curves_figure", "sum_order_explorer",
-           "sum_order_figure", "table"]
+__all__ = ["Table", "bits_html", "source_excerpt", "cost_figure", "landing_order_figure", "loss_curves_figure", "sum_order_explorer",
+           "split_groupings_figure", "sum_order_figure", "table"]
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ----------------------------------------------------------------------------------- source excerpts
+
+def source_excerpt(obj, start: str, end: str | None = None, *, after: int = 0):
+    """The lines of ``obj``'s source (a function, class or Triton kernel, read from its file) from the first
+    line containing ``start`` to the first line at or after it containing ``end`` (just that line when
+    ``end`` is None), plus ``after`` more lines; a :class:`mambalab.viz.notebook.Source` whose caption names
+    the object and ``path:first-last``. The lines keep their indentation, so a branch shows as it sits."""
+    import inspect
+    import textwrap
+
+    from mambalab.viz.notebook import Source, _relative, _unwrap
+
+    target = _unwrap(obj)
+    try:
+        lines, first = inspect.getsourcelines(target)
+        path = inspect.getsourcefile(target)
+    except (TypeError, OSError) as err:
+        raise TypeError(f"source_excerpt: cannot find the source of {obj!r} ({err})") from None
+    i = next((k for k, line in enumerate(lines) if start in line), None)
+    if i is None:
+        raise ValueError(f"source_excerpt: no line of {getattr(target, '__qualname__', target)} contains {start!r}")
+    j = i if end is None else next((k for k in range(i, len(lines)) if end in lines[k]), None)
+    if j is None:
+        raise ValueError(f"source_excerpt: no line at or after {start!r} contains {end!r}")
+    j = min(j + after, len(lines) - 1)
+    name = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}".strip(".")
+    caption = f"{name}  ({_relative(path)}:{first + i}-{first + j})"
+    return Source(textwrap.dedent("".join(lines[i:j + 1])), caption)
 
 
 # ----------------------------------------------------------------------------------- tables
@@ -216,4 +250,30 @@ def cost_figure(times_ms: Mapping[str, float], baseline: str, title: str) -> go.
                            textposition="outside", marker_color=[_COLORS[i % len(_COLORS)] for i in range(len(names))]))
     fig.update_layout(title=title, xaxis_title="implementation and mode", yaxis_title="forward+backward time (ms)",
                       height=420)
+    return fig
+
+
+def split_groupings_figure(b: int, l: int, h: int, g: int, chunk_size: int) -> go.Figure:
+    """Bars over the GPU profiles of :data:`mambalab.determinism.ARCH_PROFILES`: the heads each program of
+    mamba-ssm's dB/dC backward sums (:func:`mambalab.determinism.experiments.mamba_ssm_head_split`), coloured
+    by grouping (one colour per distinct (heads per program, partials) pair: each is one bit pattern of dB and
+    dC), and mambalab's, which is h / g heads folded in head order on every GPU."""
+    from mambalab.determinism import ARCH_PROFILES
+    from mambalab.determinism.experiments import mamba_ssm_head_split
+
+    c = -(-l // chunk_size)
+    names = [p.name.replace("NVIDIA ", "") + f" ({p.sm_count} SMs)" for p in ARCH_PROFILES.values()]
+    splits = [mamba_ssm_head_split(b, c, h, g, p.sm_count) for p in ARCH_PROFILES.values()]
+    groupings = sorted(set(splits), key=splits.index)
+    fig = go.Figure()
+    for k, grouping in enumerate(groupings):
+        xs = [n for n, s in zip(names, splits) if s == grouping]
+        fig.add_trace(go.Bar(x=xs, y=[grouping[0]] * len(xs), marker_color=_COLORS[k % len(_COLORS)],
+                             name=f"mamba-ssm: {grouping[0]} heads a program, {grouping[1]} partials"))
+    fig.add_trace(go.Scatter(x=names, y=[h // g] * len(names), mode="lines+markers", line=dict(color="black"),
+                             name=f"mambalab: {h // g} heads folded in head order, every GPU"))
+    fig.update_layout(title=f"dB/dC groupings at b={b}, l={l}, h={h}, g={g}, chunk {chunk_size}: mamba-ssm "
+                            f"{len(groupings)} distinct (bit patterns), mambalab 1",
+                      xaxis_title="GPU (SM count read by the launcher)", yaxis_title="heads summed by one program",
+                      legend=dict(font=dict(size=10)), barmode="overlay")
     return fig

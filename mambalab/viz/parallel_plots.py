@@ -7,6 +7,8 @@ Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled a
 * :func:`communication_figure`: collectives per layer for Mamba-2, Mamba-1 and a transformer layer.
 * :func:`memory_figure`: parameter + gradient + optimizer memory per rank for several TP degrees.
 * :func:`curves_figure`: per-step curves (losses, Δ values, …) of several runs overlaid.
+* :func:`tp_cost_figure`: for one TP degree, sequence-parallel setting and sequence length, the memory each rank
+  holds (training state, layer-boundary activations) and the bytes it sends per layer (the widget's figure).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from collections.abc import Mapping, Sequence
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-__all__ = ["communication_figure", "curves_figure", "memory_figure", "split_figure"]
+__all__ = ["communication_figure", "curves_figure", "memory_figure", "split_figure", "tp_cost_figure"]
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
@@ -99,4 +101,35 @@ def curves_figure(curves: Mapping[str, Sequence[float]], title: str, yaxis_title
     fig.update_layout(title=title, xaxis_title=xaxis_title, yaxis_title=yaxis_title, legend_title="run")
     if log_y:
         fig.update_yaxes(type="log")
+    return fig
+
+
+def tp_cost_figure(state_bytes_by_tp: Mapping[int, int], *, d_model: int, n_layer: int, batch: int, seqlen: int,
+                   tp: int, sequence_parallel: bool, element_size: int = 2) -> go.Figure:
+    """Left: GiB per rank at TP = ``tp``: the training state (``state_bytes_by_tp[tp]``, from
+    :func:`mambalab.parallel.cost.memory_per_rank`) and the activations at the n_layer layer inputs
+    (batch·seqlen·d_model each, split along l by sequence parallelism). Right: MiB each rank sends per layer,
+    forward and backward (:func:`mambalab.parallel.cost.layer_communication`)."""
+    from mambalab.parallel.cost import layer_communication
+
+    if tp not in state_bytes_by_tp:
+        raise ValueError(f"tp = {tp} has no training-state entry; known: {sorted(state_bytes_by_tp)}")
+    comm = layer_communication(d_model, batch * seqlen, tp, sequence_parallel, element_size)
+    state_gib = state_bytes_by_tp[tp] / 2**30
+    act_gib = n_layer * comm["activation_bytes"] / 2**30
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("memory per rank", "bytes each rank sends per layer"))
+    fig.add_trace(go.Bar(x=["per rank"], y=[state_gib], name="params + grads + AdamW (fp32)",
+                         marker_color=_COLORS[0]), row=1, col=1)
+    fig.add_trace(go.Bar(x=["per rank"], y=[act_gib], name=f"layer inputs ({n_layer} × b·l·d, bf16)",
+                         marker_color=_COLORS[1]), row=1, col=1)
+    fig.add_trace(go.Bar(x=["forward", "backward"], y=[comm["forward_bytes"] / 2**20, comm["backward_bytes"] / 2**20],
+                         name="all-reduce (or reduce-scatter + all-gather)", marker_color=_COLORS[2]), row=1, col=2)
+    fig.update_layout(barmode="stack", title=f"TP = {tp}, sequence parallel {'on' if sequence_parallel else 'off'}, "
+                      f"{batch} × {seqlen} tokens a step: {state_gib + act_gib:.3g} GiB and "
+                      f"{(comm['forward_bytes'] + comm['backward_bytes']) / 2**20:.3g} MiB a layer per rank",
+                      legend=dict(font=dict(size=10)))
+    fig.update_yaxes(title_text="GiB per rank", row=1, col=1)
+    fig.update_yaxes(title_text="MiB sent per rank", row=1, col=2)
+    fig.update_xaxes(title_text="what a rank holds", row=1, col=1)
+    fig.update_xaxes(title_text="pass", row=1, col=2)
     return fig
