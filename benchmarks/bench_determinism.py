@@ -1,6 +1,6 @@
 """The cost of determinism, and who agrees with whom, for Mamba-2's SSD on a GPU, in one run.
 
-At the issue's shape (b=4, l=4096, h=32, p=64, g=1, n=128, chunk 256), for bf16 and fp32, forward+backward:
+At the benchmark shape (b=4, l=4096, h=32, p=64, g=1, n=128, chunk 256), for bf16 and fp32, forward+backward:
 
 * time (median, CUDA events) of mambalab's ``ssd_chunk_scan`` with ``reduction="deterministic"`` and
   ``"atomic"``, mamba-ssm's ``mamba_chunk_scan_combined`` in its default mode and with

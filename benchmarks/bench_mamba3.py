@@ -1,7 +1,7 @@
 """Mamba-3 on a GPU, in one process: mambalab's SISO and MIMO scans against mamba-ssm's ``mamba3_siso_combined``,
 and the decode step for r = 1, 2, 4, 8.
 
-Shape (the issue's): b=4, l=4096, h=32 heads, p=64 (headdim), g=1 q/k group, n=128 (d_state), a=32 rotary
+Shape: b=4, l=4096, h=32 heads, p=64 (headdim), g=1 q/k group, n=128 (d_state), a=32 rotary
 pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
 
 * scan: forward and forward+backward times of
@@ -16,7 +16,7 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   per-call work), SISO both sides and MIMO r=4 at each chunk size.
 * ``--mimo-rival``: last, mamba-ssm's MIMO r=4 (``mamba3_mimo``, TileLang) timed the same ways, its MIMO / SISO
   ratio, mambalab's MIMO differences from it and both sides' errors against the fp64 reference (needs
-  tilelang==0.1.8 with apache-tvm-ffi 0.1.9: benchmarks/tilelang_wheels.sh; first run in session 15). Its MIMO
+  tilelang==0.1.8 with apache-tvm-ffi 0.1.9: benchmarks/tilelang_wheels.sh). Its MIMO
   turns the rotary pairs (i, i + n/2): :func:`mambalab.oracle.mamba3_scan` hands it q, k and their biases in
   that layout.
 * ``--blocks D_MODEL...``: last, whole Mamba3 blocks (in and out projections, norms, the scan between) SISO and
@@ -78,8 +78,8 @@ def theirs(x, mimo, chunk):
     """mamba-ssm's scan on the same inputs (:func:`mambalab.oracle.mamba3_scan`): ``mamba3_siso_combined`` for
     r = 1, ``mamba3_mimo`` (TileLang) with the rank weights. Its times include that adapter's transposes and, for
     MIMO, the copies of q, k and their biases into its rotary layout, made of slices
-    (:func:`~mambalab.ref.mamba3.pairs_to_halves`); until session 17 they were tensor indexing, whose backward
-    added about 3 ms to its MIMO's time."""
+    (:func:`~mambalab.ref.mamba3.pairs_to_halves`): tensor indexing there would add about 3 ms of backward to
+    its MIMO's time."""
     from mambalab import oracle
 
     return oracle.mamba3_scan(*(x[name] for name in NAMES), **mimo, chunk_size=chunk)

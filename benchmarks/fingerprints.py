@@ -1,6 +1,6 @@
-"""Fingerprints seen on this GPU, for issue 5's closing note: ``mambalab fingerprint``'s fixed step (deterministic
+"""Fingerprints seen on this GPU: ``mambalab fingerprint``'s fixed step (deterministic
 and atomic, repeated; deterministic under every emulated profile), and mamba-ssm's SSD backward in its
-deterministic mode at the issue's shape under emulated GPUs (dB and dC differ where its split by SM count does).
+deterministic mode at the benchmark shape under emulated GPUs (dB and dC differ where its split by SM count does).
 
     python benchmarks/fingerprints.py --out DIR/fingerprints.json [--repeats 5]
 
@@ -27,7 +27,7 @@ from mambalab.determinism import ARCH_PROFILES, deterministic, emulate, fingerpr
 from mambalab.determinism.step import run_step  # noqa: E402
 from mambalab.ops import ssd_chunk_scan  # noqa: E402
 
-ISSUE_SHAPE = (4, 4096, 32, 64, 1, 128)   # b, l, h, p, g, n; chunk 256, bf16
+BENCH_SHAPE = (4, 4096, 32, 64, 1, 128)   # b, l, h, p, g, n; chunk 256, bf16
 
 
 def step_fingerprints(repeats: int) -> dict:
@@ -55,7 +55,7 @@ def ssd_grads(fn, inp, dout, **kw):
 
 
 def mamba_ssm_vs_mambalab(repeats: int) -> dict:
-    b, l, h, p, g, n = ISSUE_SHAPE
+    b, l, h, p, g, n = BENCH_SHAPE
     gen = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=gen)
     inp = {"x": r(b, l, h, p).bfloat16(), "dt": (0.5 * r(b, l, h) - 1.0).bfloat16(), "A": -torch.exp(0.5 * r(h)),

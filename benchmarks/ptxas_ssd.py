@@ -10,8 +10,8 @@ Step 2 (a child process, interpreter off: :func:`mambalab.aot.compile_in_subproc
 recorded launch with Triton's compiler for the target; then the ptxas shipped with Triton runs on each PTX in
 verbose mode (:func:`mambalab.aot.ptxas_usage`). Each kernel's line also counts its loops and the loads Triton's
 software pipeliner made asynchronous: a loop with none issues each iteration's loads only after the previous
-iteration's arithmetic (``tl.range(..., num_stages=...)`` asks for pipelining; session 8 found the angle cumsum
-and the rotary backward that way).
+iteration's arithmetic (``tl.range(..., num_stages=...)`` asks for pipelining; the angle cumsum
+and the rotary backward were found that way).
 
     python benchmarks/ptxas_ssd.py [--arch 90] [--dtype bf16] [--shape H P N CHUNK] [--op mamba3 --rank R]
 

@@ -10,7 +10,7 @@
 # TileLang compiles each MIMO kernel for 30-60 s) or `... tilelang-b mamba3-tests` (about 4.5 min).
 # apache-tvm-ffi 0.1.9 exactly: tilelang 0.1.8 allows any 0.1.x, but 0.1.10 and later break it (its TVM sets
 # attributes on objects that tvm-ffi now gives __slots__; see state-spaces/mamba#907), and 0.1.15 failed its
-# import on the H200 (session 15: "attribute '__dict__' of 'type' objects is not writable").
+# import on an H200 (2026-12-01: "attribute '__dict__' of 'type' objects is not writable").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PIP=${PIP:-.venv/bin/pip}

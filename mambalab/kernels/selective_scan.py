@@ -38,7 +38,7 @@ The adjoint's scan runs forward over the block read backwards (element s is step
 back once per state index. In Triton 3.6's sm_90 PTX for the (4, 128) bf16 tile, a state index's loop
 issued 423 warp shuffles with ``associative_scan(..., reverse=True)`` and 171 this way (two forward scans
 and a flip); on the H200 the backward took 0.86 of the time in bf16 and 0.84 in fp32
-(``benchmarks/results/2026-11-30_h200_selective_scan_v6_ab.json``).
+(``benchmarks/results/2026-11-30_h200_selective_scan_flip_ab.json``).
 Gradients that sum over programs (A over batch rows and blocks, D and delta_bias over the batch; B and C over
 channel blocks) are written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials`
 in a fixed order, so the backward is bitwise reproducible and independent of the GPU it runs on.
@@ -98,12 +98,11 @@ def tile_config(channels_per_group: int, n: int, l: int) -> TileConfig:
     least 16); the backward min(512 / BLOCK_D, that), and the forward saves the state at that interval.
     One warp a program.
 
-    Chosen from H200 runs (benchmarks/results/2026-11-30_h200_selective_scan_*.json; b=8, d=2048, n=16,
-    bf16 and fp32): one warp beat 2 and 4 at every tile size; the backward was fastest at (4 channels,
-    128 steps) (v6 A/B file: 2.70 ms against 2.77 for (8, 64)). The forward had 2 channels until the v8
-    kernels, whose checkpoints are a reduction rather than a masked store of the whole tile: then one
-    channel was faster in a kernel sweep (0.66 against 0.71 ms with checkpoints, bf16 l=2048, v8 file) and
-    through the op without a gradient (0.75 against 0.94 ms).
+    Chosen from H200 runs (b=8, d=2048, n=16, bf16 and fp32; benchmarks/results/README.md, 2026-11-30):
+    one warp beats 2 and 4 at every tile size; the backward is fastest at (4 channels, 128 steps): 2.70 ms
+    against 2.77 for (8, 64) (benchmarks/results/2026-11-30_h200_selective_scan_flip_ab.json); with the
+    checkpoints picked by a reduction, a one-channel forward is faster than two (0.66 against 0.71 ms, bf16
+    l=2048).
     """
     block_n = triton.next_power_of_2(max(n, 1))
     block_l = min(512, max(16, triton.next_power_of_2(max(l, 1))))

@@ -16,10 +16,10 @@ cumsum along l needs to be fast (:func:`mambalab.ref.mamba3.cumulative_angle`, t
 
 Tile rule (shape only): BLOCK_A = next_pow2(a) pairs, BLOCK_L = max(16, 4096 / BLOCK_A) positions a block.
 On an H200 at b4 l4096 h32 a32 (128 programs, each walking its l positions in order) the forward took
-0.083 ms and the backward 0.126 ms (benchmarks/results/2026-11-30_h200_mamba3_v3_glue.json, profile), where
-the 4 PyTorch passes forward and 6 backward it replaced took about 1 ms together. With so few programs the
-walk waits on its loads; fetching the next blocks while one is summed (:data:`LOOP_STAGES`) took the forward
-to 0.054 ms and the backward to 0.083 ms.
+0.083 ms and the backward 0.126 ms without pipelining, against about 1 ms for the 4 PyTorch passes forward
+and 6 backward it stands for (benchmarks/results/2026-11-30_h200_mamba3_glue_profile.json, profile). With so few
+programs the walk waits on its loads; fetching the next blocks while one is summed (:data:`LOOP_STAGES`)
+hides part of that wait.
 
 Shapes: angles (b, l, h, a) fp32, any strides (the module passes one row of angles expanded over the heads);
 dt (b, l, h) fp32 contiguous; initial (b, h, a) fp32 contiguous or None -> theta (b, l, h, a) fp32.
@@ -32,8 +32,9 @@ import triton.language as tl
 
 
 # Software-pipelining stages of both loops over position blocks (tl.range's num_stages: the loads of the next
-# blocks are issued while this one is summed; the additions and their order are unchanged). H200, b4 l4096
-# h32 a32 (session 8): forward 0.086 -> 0.054 ms, backward 0.107 -> 0.083 ms with 3 (4: the same; 2: no gain).
+# blocks are issued while this one is summed; the additions and their order are unchanged). 3 stages: forward
+# 0.054 ms, backward 0.083, against 0.086 and 0.107 with 1 (4: the same; 2: no gain); H200, b4 l4096 h32 a32,
+# benchmarks/results/2026-11-30_h200_mamba3_loop_stages_ab.json.
 LOOP_STAGES = 3
 
 

@@ -12,9 +12,8 @@ Backward, from dout (the rotation is orthogonal, so its transpose turns back by 
     dx̃ = Rot(-θ) dout,   dx[t, r, g] = Σ_{h in group g} dx̃,   dbias[h, r] = Σ_t dx̃
     dθ[t, h, i] = Σ_r (dq̂_{2i+1} q̂_{2i} - dq̂_{2i} q̂_{2i+1})  +  Σ_r (dk̂_{2i+1} k̂_{2i} - dk̂_{2i} k̂_{2i+1})
 
-(Until session 13 the forward also wrote the within-step scores q̂_r · k̂_r' for the op's correction, and a
-kernel of the backward took their gradient; the correction now lives in the scan's same-step block,
-:mod:`mambalab.kernels.mamba3.chunk_scan`, so neither exists.)
+MIMO's within-step correction needs no scores from here: it lives in the scan's same-step block
+(:mod:`mambalab.kernels.ssd.chunk_scan`).
 
 One launch each way for q and k: a program loads θ and evaluates cos θ, sin θ once per (position block,
 head) and uses them for q and k and every rank; the backward sums dθ over q and k (and, in a tile of every
@@ -26,28 +25,25 @@ The outputs are written in the rank-expanded layout the SSD kernels read: (b, l,
 
 Tile rule (shape only): each of q and k is a tile of ROWS = 32 rows of n, BLOCK_R = next_pow2(r) ranks by
 BLOCK_T = 32 / BLOCK_R positions of the flattened (b·l) axis (at least 1), with BLOCK_N2 = next_pow2(n / 2)
-pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers (the
-earlier pair-strided version took 1.1 ms per call at b4 l4096 h32 n128 in an H200 profile). Forward programs
+pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers (a
+pair-strided read took 1.1 ms per call at b4 l4096 h32 n128 in an H200 profile). Forward programs
 are (position block, head) with every rank in one tile, so that cos, sin serve every rank. Backward
 programs are (position block, group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles
 for q and k (and q, k themselves) across the group's heads, in r = 1's tiles (32 positions, the row split
 by :func:`turned_and_plain`), and writes dθ's term for its rank; the r terms are folded by
-:func:`~mambalab.kernels.reduce.sum_partials` (a fixed order). H200 (session 13, call 5; b4 l4096 h32 g1 n128
-a32, bf16, CUDA graphs): at r = 4 the kernel took 1.31 ms against 1.84 with every rank in one tile of 8
-positions (dθ summed over ranks in registers), and MIMO's whole step 8.50 against 9.05 ms; r = 2 0.67
-against 1.30 ms (step 4.37 against 5.00), r = 8 2.57 against 3.73 (step 19.47 against 20.65). The one-tile
+:func:`~mambalab.kernels.reduce.sum_partials` (a fixed order). On an H200 (b4 l4096 h32 g1 n128 a32, bf16,
+CUDA graphs, 2026-12-01) a program per rank took 1.31 ms at r = 4 against 1.84 with every rank in one tile of
+8 positions (benchmarks/results/README.md). The one-tile
 kernel (``RANK_PROGRAMS = False``) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8).
 Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
 timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
 0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
 spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
 too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651
-against 0.599). Splitting a group's heads over several backward programs (more programs, per-chunk dq/dk
-partials) did not help (0.618 ms at r = 1, 2.33 at r = 4, 4 warps, 8 heads a program): residency, not the
-program count, limits it. At r = 1 the backward's tiles hold a row's turned pairs alone (BLOCK_N2 =
-next_pow2(a), with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and there is no dθ,
-in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539 (session 12); in the
-one-tile kernel at r = 4 the same split was slower (3.47 against 1.87 ms), so that kernel keeps one tile.
+against 0.599). Splitting a group's heads over several backward programs does not help (0.618 ms at r = 1):
+residency, not the program count, limits it. At r = 1 the backward's tiles hold a row's turned pairs alone
+(BLOCK_N2 = next_pow2(a), with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and
+there is no dθ, in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539.
 Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
 benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
 changed):
@@ -55,14 +51,13 @@ changed):
                   r = 1, BLOCK_T = 32       r = 4, BLOCK_T = 8
     forward       4 warps 116, 0 B          4 warps  96, 0 B
                   8 warps  62, 0 B          8 warps  59, 0 B
-    backward      4 warps 255, 84 B         4 warps 255, 264 B (196 B in session 12's build)
+    backward      4 warps 255, 84 B         4 warps 255, 264 B
                   8 warps 184, 0 B          8 warps 194, 0 B
       split at a  4 warps 255, 0 B          4 warps 255, 0 B; 8 warps 167, 0 B
 
-The two-launch version compiled the same way: forward 116 (r = 1) and 124 (r = 4) registers at 4 warps;
-backward 214 (k̂'s) and 228 (q̂'s, adding into dθ) registers at 4 warps at r = 1, 128 registers and 168 B
-spilled each at 8 warps at r = 4. Smaller tiles cost fewer registers (r = 1, BLOCK_T = 16: 168 at 4 warps,
-108 at 8) and twice the partials. Register figures are from the compiler; the times above are the ones measured.
+Smaller tiles cost fewer registers (r = 1, BLOCK_T = 16: 168 at 4 warps, 108 at 8) and twice the partials.
+Register figures are from the compiler; the times are H200 measurements of 2026-11-30 and 2026-12-01
+(benchmarks/results/README.md).
 
 Shapes: q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a) fp32
 -> q̂, k̂ (b, l, r, h, n).
@@ -82,18 +77,16 @@ BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the
 
 def bwd_loop_stages(r):
     """Software-pipelining stages of the backward's loop over a group's heads (``tl.range``'s num_stages: the
-    loads of up to that many heads in flight; 1: none). H200, b4 l4096 h32 g1 n128, one process (session 8,
-    benchmarks/results/README.md): at r = 1 the kernel took 0.452 ms with 3 stages against 0.513 with 1 (2:
-    0.481, 4: 0.718); at r = 4, 1.96 ms with 1 against 2.13-3.38 with 2-4, where the larger tiles leave no
-    room."""
+    loads of up to that many heads in flight; 1: none). On an H200 (b4 l4096 h32 g1 n128, 2026-11-30) the
+    r = 1 kernel takes 0.452 ms with 3 stages against 0.513 with 1; at r = 4, 1.96 ms with 1 against 2.13-3.38
+    with 2-4, where the larger tiles leave no room."""
     return 3 if r == 1 else 1
 
 
 def fwd_num_warps(r):
     """Warps of the forward: 8 at r = 1, 4 from r = 4 on. H200, b4 l4096 h32 n128, bf16: at r = 1 the forward
-    took 0.133 ms at 8 warps against 0.174 at 4; at r = 4, 0.651 against 0.599 (session 7), and the whole MIMO
-    r = 4 step's graph 10.74 ms at 4 against 10.79 at 8 (session 9, call 2). r = 2 keeps 8, r = 8 takes 4:
-    neither was timed."""
+    took 0.133 ms at 8 warps against 0.174 at 4; at r = 4, 0.651 against 0.599 (2026-11-30). r = 2 keeps 8,
+    r = 8 takes 4: neither is timed."""
     return 8 if r <= 2 else 4
 
 
@@ -106,10 +99,9 @@ def turned_and_plain(n, a, r):
     """The backward's split of a row for tiles of r = 1 rank (SISO, or a program per rank): BLOCK_N2 =
     next_pow2(a) pairs (at least 1) in the turned tile, the rest (PLAIN = next_pow2 of the elements left) in a
     tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0).
-    H200 (session 12, b4 l4096 h32 g1 n128 a32, one process, as
-    CUDA graphs): at r = 1 the split kernel took 0.402 ms against 0.539 for one tile (SISO's whole step 2.18
-    against 2.32 ms; at sm_90 it spills nothing, one tile 84 B); at r = 4 3.47 ms against 1.87 (2 loop stages
-    3.10, 8 warps 6.66), although one tile spills 196 B there and the split none: not understood yet."""
+    On an H200 (b4 l4096 h32 g1 n128 a32, CUDA graphs, 2026-12-01) the split kernel takes 0.402 ms at r = 1
+    against 0.539 for one tile (at sm_90 it spills nothing, one tile 84 B); at r = 4, 3.47 ms against 1.87,
+    although one tile spills there and the split does not: why is not known."""
     pairs = triton.next_power_of_2(max(a, 1))
     if r > 1 or 2 * pairs >= n:
         return dict(BLOCK_N2=row_pairs(n), PLAIN=0)

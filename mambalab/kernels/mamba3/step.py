@@ -12,10 +12,9 @@ this kernel is checked against):
 Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
 odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise. Rows are read and written whole (contiguous) and
 split into their pairs in registers (``tl.reshape`` + ``tl.split``, ``tl.join`` back), as the rotary kernels do,
-rather than read at a stride of two: on an H200 (session 8, as CUDA graphs, benchmarks/results/README.md) the
-step went from 41.6 to 10.0 µs at batch 16, 32 heads, r = 1 (4.2×) and from 571 to 232 µs at batch 64, 64
-heads, r = 4. The new state is bit-equal to the strided version's; 0.01 % of the outputs differ by one bf16 step
-(the sum over n is grouped differently in the new register layout).
+rather than read at a stride of two: 10.0 µs against 41.6 strided at batch 16, 32 heads, r = 1 on an H200 (CUDA
+graphs; benchmarks/results/2026-11-30_h200_mamba3_step_rows_ab.json). The two layouts give the same state; the
+outputs differ in the order of the sum over n (0.01 % of them by one bf16 step).
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
@@ -222,10 +221,10 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
     """The launch's tile choices (shape only): BLOCK_P = min(16, next_pow2(p)), 2 warps, and the ranks as one
     tile (RANK_TILE) for r >= 4 on a grid of at least 8192 programs, a loop over ranks otherwise.
 
-    From an A/B on an H200 (session 18, CUDA graphs, p 64, n 128, bf16; benchmarks/results/README.md): 2 warps
-    beat 4 in five of six cases (batch 16, 32 heads: r = 1, 2, 4, 8 from 10.2, 22.7, 32.9, 53.2 to 8.5, 17.7,
-    29.3, 46.1 µs), and the rank tile took batch 64, 64 heads, r = 4 from 240 to 207 µs while it lost at batch
-    16. The 8192 sits between the grids measured (2048 and 16384 programs); it is not tuned more finely.
+    2 warps and the rank tile from a sweep on an H200 (CUDA graphs, p 64, n 128, bf16): batch 16, 32 heads, r = 4
+    29.3 µs against 32.9 at 4 warps; batch 64, 64 heads, r = 4 207 µs with the rank tile against 240 with the
+    loop (benchmarks/results/2026-12-02_h200_mamba3_step_tiles_sweep.json). 8192 programs lies between the two
+    grids measured (2048 and 16384) and is not tuned more finely.
     """
     block_p = min(16, triton.next_power_of_2(p))
     programs = b * h * triton.cdiv(p, block_p)

@@ -23,9 +23,8 @@ The price is parallelism: b · h · cdiv(p, BLOCK_P) programs, each walking C ch
 t of a block see the blocks of columns s < t unmasked and their own block under the causal mask; when
 q = BLOCK_T (the Mamba-3 shapes) the chunk is one block.
 
-Backward (below the forward), used by every SSD backward: the same sweep run backwards does what were two
-launches until session 11 (every chunk's dH^out_c, written to memory as (b, c, h, p, n) fp32, then the
-recurrence over chunks reading it back). Carrying G_{c+1} = dL/dH_{c+1} on chip from G_C = d final (or 0),
+Backward (below the forward), used by every SSD backward: the same sweep run backwards, in one launch, so
+that no chunk's dH^out_c goes through memory as a (b, c, h, p, n) fp32 tensor. Carrying G_{c+1} = dL/dH_{c+1} on chip from G_C = d final (or 0),
 for c = C-1 … 0:
 
     store dS_c = G_{c+1}                                 (x's dtype; the chunk backward's dots read it)
@@ -114,8 +113,8 @@ def state_sweep_fwd_kernel(
             L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
             if STEP > 0:
                 # the SSD's causal weights, then the step's own block overwritten with its γ (the same W as
-                # chunk_scan._intra_weights; this form, with fewer masks live, took MIMO r = 4's forward from
-                # 2.81 to 2.61 ms on an H200, session 13, call 8)
+                # chunk_scan._intra_weights; this form keeps fewer masks live: MIMO r = 4's forward 2.61 ms
+                # against 2.81 on an H200, benchmarks/results/2026-12-01_h200_ssd_same_step_forms_ab.json)
                 W = tl.where(_same_step(offs_t, offs_t, STEP), tl.load(same_ptr + chunk + offs_t)[:, None],
                              L * delta_t[None, :])
                 y += tl.dot((cb * W).to(dot_ty), xd, input_precision=DOT_PRECISION)

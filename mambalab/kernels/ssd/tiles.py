@@ -73,14 +73,14 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     * chunk-scan backward: min(64, q) positions a program and 4 warps for bf16/fp16; min(32, q) and 4 warps
       for fp32 (whose 64-position tiles need 2 × the shared memory and were slower).
 
-    Measured on an H200 (benchmarks/results/2026-11-30_h200_ssd_tile_sweep_*.json; b=4, l=4096, h=32,
+    Measured on an H200 (benchmarks/results/2026-11-30_h200_ssd_tile_sweep_vs_mamba_deterministic.json; b=4, l=4096, h=32,
     p=64, n=128, q=256, deterministic mode; kernel times without the op's Python): the backward took
     1.63 ms in bf16 at (64 positions, 4 warps) against 2.77 ms at the previous rule's (32, 8), 2.11 at
     (64, 8), 1.80 at (32, 4), 2.63 at (16, 4); in fp32 3.24 ms at (32, 4), 4.69 at (32, 8), 4.89 at (64, 4).
     Register use is at or near 255 a thread in every variant, so an SM runs 8 warps either way; what
     changes is how many positions each program's dots cover. The chosen bf16 backward spills (68 B in the
-    rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which since session 6
-    specialises g = 1 to a constant as a launch does) and was still the fastest.
+    rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which specialises g = 1 to
+    a constant as a launch does) and is still the fastest.
 
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
@@ -89,22 +89,19 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
       (``sweep_forward``): in fp32, and for longer chunks, whose blocks the sweep walks one after another, the
       split steps were faster.
 
-    Measured on an H200 (session 11, benchmarks/results/2026-12-01_h200_state_sweep_ab_s11.json; b=4, l=4096,
+    Measured on an H200 (benchmarks/results/2026-12-01_h200_ssd_state_sweep_ab.json; b=4, l=4096,
     h=32, p=64, n=128). Mamba-3 forward+backward as CUDA graphs, bf16: SISO (q = 64) 2.54 ms with the
     sweeps against 2.75 with the split steps, MIMO r = 4 (q = 64 positions) 10.15 against 10.99; with the
     forward's 4 warps 2.50 and 9.97, with the backward's 32 head dimensions 2.52 and 10.09. The kernels alone:
     backward sweep 0.107 ms (32 dims) / 0.121 (64) against 0.142 for the split steps in bf16 at q = 256,
     0.190 / 0.420 against 0.417 in fp32; forward sweep 0.27 against 0.36 ms in bf16 at q = 64 but 0.62
     against 0.38 at q = 256, and 0.92-1.20 against 0.64 in fp32 at q = 64 (so Mamba-2's forward, q = 256 by
-    default, keeps the split steps). With the sweep at every q (call 2), MIMO r = 4 at chunk 32 (q = 128)
-    took 11.83 ms and at chunk 64 (q = 256) 13.49, against 11.09 and 12.39 with the split steps in session 10;
-    call 3 measured the same in one process (10.77 and 11.79 with the split steps, 11.54 and 12.86 swept).
-    sm_90 (benchmarks/ptxas_ssd.py): the bf16 forward sweep at 4 warps used 255 registers a thread and
-    spilled 60 B (at 8 warps 255, no spill) and was still the faster, until session 13 gave it Mamba-3's
-    same-step weights (the within-step correction, :func:`mambalab.kernels.ssd.chunk_scan._intra_weights`):
-    then 8 warps took MIMO r = 4's forward from 2.61 to 2.02 ms and its forward+backward from 7.89 to 7.30
-    (SISO 2.20 to 2.02; H200, session 13, call 8, benchmarks/results/2026-12-01_h200_sweep_same_step_forms_ab_s13.json);
-    the backward sweep at 32 head dimensions 128
+    default, keeps the split steps). With the sweep at every q, MIMO r = 4 at chunk 32 (q = 128) took
+    11.54 ms and at chunk 64 (q = 256) 12.86, against 10.77 and 11.79 with the split steps in one process.
+    With Mamba-3's same-step weights (:func:`mambalab.kernels.ssd.chunk_scan._intra_weights`) the bf16
+    forward sweep runs at 8 warps: MIMO r = 4 forward+backward 7.30 ms against 7.89 at 4 warps, SISO 2.02
+    against 2.20 (H200, benchmarks/results/2026-12-01_h200_ssd_same_step_forms_ab.json). sm_90
+    (benchmarks/ptxas_ssd.py): the backward sweep at 32 head dimensions uses 128
     registers (bf16, 8 warps) or 200 (fp32, 4 warps), no spill.
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
