@@ -6,6 +6,8 @@ from mambalab.inference import (DecodeGraph, apply_repetition_penalty, filter_mi
                                 generate, stream)
 from mambalab.modules.lm import LMConfig, MambaLM
 
+from conftest import KERNEL_DEVICE
+
 CONFIGS = {
     "mamba1": dict(layer="Mamba1", d_state=8),
     "mamba2": dict(layer="Mamba2", d_state=8, headdim=8, ngroups=2, chunk_size=4, scan="reference"),
@@ -20,10 +22,10 @@ def tiny(name):
     model = MambaLM(LMConfig(vocab_size=50, d_model=32, n_layer=2, **CONFIGS[name])).eval()
     with torch.no_grad():   # larger logits than the init's, so that argmaxes are not near-ties
         model.embedding.weight.mul_(20)
-    return model
+    return model.to(KERNEL_DEVICE)   # Mamba-1's scan has only its kernel: on the GPU where there is one
 
 
-PROMPT = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+PROMPT = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -40,12 +42,12 @@ def test_greedy_decoding_is_the_argmax_of_the_full_forward(name):
 def test_seeded_sampling_repeats_and_top_k_1_is_greedy(name):
     model = tiny(name)
     kw = dict(max_new_tokens=5, temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
-    a = generate(model, PROMPT, generator=torch.Generator().manual_seed(3), **kw)
-    b = generate(model, PROMPT, generator=torch.Generator().manual_seed(3), **kw)
+    a = generate(model, PROMPT, generator=torch.Generator(KERNEL_DEVICE).manual_seed(3), **kw)
+    b = generate(model, PROMPT, generator=torch.Generator(KERNEL_DEVICE).manual_seed(3), **kw)
     assert torch.equal(a, b)
     greedy = generate(model, PROMPT, max_new_tokens=5, do_sample=False)
     assert torch.equal(generate(model, PROMPT, max_new_tokens=5, top_k=1, temperature=1.3,
-                                generator=torch.Generator().manual_seed(4)), greedy)
+                                generator=torch.Generator(KERNEL_DEVICE).manual_seed(4)), greedy)
 
 
 def test_eos_stops_and_streaming_yields_each_token_as_chosen():
@@ -105,7 +107,7 @@ def test_cuda_graph_decoding_emits_the_eager_tokens(name):
 
 def test_cuda_graph_refuses_a_cpu_model():
     with pytest.raises(RuntimeError, match="CUDA"):
-        DecodeGraph(tiny("mamba2"), batch_size=1)
+        DecodeGraph(tiny("mamba2").cpu(), batch_size=1)
 
 
 def test_generation_benchmark_runs_on_a_tiny_config():
