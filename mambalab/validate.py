@@ -44,6 +44,23 @@ def one_token(name: str, x: torch.Tensor, d_model: int) -> None:
         raise ValueError(f"step takes one token: {name} of shape (b, 1, d_model={d_model}); got {tuple(x.shape)}")
 
 
+def token_ids(name: str, ids, vocab_size: int) -> None:
+    """``ids`` must be an integer tensor of shape (b, l) with every id in [0, vocab_size). The range check reads
+    two numbers back from the device, except while a CUDA graph is captured (nothing can be read then; the
+    eager runs that warm a graph up are checked)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids (torch.long or torch.int), got {ids.dtype}")
+    if ids.dim() != 2:
+        raise ValueError(f"{name} must have shape (b, l); got {tuple(ids.shape)}")
+    if ids.numel() == 0 or (ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    low, high = (int(v) for v in torch.aminmax(ids))
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"{name} must lie in [0, {vocab_size}) (the vocabulary size); got ids from {low} to {high}")
+
+
 def same_device(**tensors: torch.Tensor | None) -> torch.device:
     """All given tensors (None ignored) must be on one device; returns it."""
     items = [(k, v) for k, v in tensors.items() if v is not None]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import torch
+
+from mambalab import validate
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -130,8 +132,7 @@ class MambaLM(nn.Module):
         every mixer keeps its state in ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the
         prompt runs through the chunked scans and fills the states, after that each call is one step (l = 1).
         """
-        if ids.dim() != 2:
-            raise ValueError(f"ids must have shape (b, l); got {tuple(ids.shape)}")
+        validate.token_ids("ids", ids, self.config.vocab_size)
         h = self.embedding(ids)                              # (b, l, d_model)
         for layer in self.layers:
             if inference_params is None:

@@ -176,7 +176,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
             When B and C have different layouts, both are laid out with a group per channel.
         D: optional (d,) skip connection.  z: optional (b, d, l) gate.  delta_bias: optional (d,).
         delta_softplus: apply softplus to delta + delta_bias.
-        return_last_state: also return the final state (b, d, n), fp32.
+        return_last_state: also return the final state (b, d, n), fp32. As in mamba-ssm, it carries no gradient:
+            a loss on it alone is torch's "does not require grad" error.
 
     Returns:
         out (b, d, l) in u's dtype, or (out, last_state). Gradients flow to every tensor argument.
