@@ -12,21 +12,11 @@ left as ``None`` or ``...`` reads "not attempted yet".
 """
 from __future__ import annotations
 
+from mambalab.exercises import not_attempted, verdict
+
 __all__ = ["atomic_gradients", "atomic_gradients_expected", "head_split", "norm_row_blocks"]
 
 _GRADS = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias")
-
-
-def _blank(answer) -> bool:
-    if answer is None or answer is Ellipsis:
-        print("… not attempted yet: replace the None (or ...) with your answer and run the cell again")
-        return True
-    return False
-
-
-def _verdict(ok: bool, right: str, wrong: str) -> bool:
-    print(f"✓ {right}" if ok else f"✗ {wrong}")
-    return ok
 
 
 def atomic_gradients_expected(g: int, h: int) -> set[str]:
@@ -48,17 +38,17 @@ def _names(answer) -> set[str] | None:
 
 def atomic_gradients(answer, g: int = 1, h: int = 4) -> bool:
     """``answer``: the names of the gradients that vary (``{"A", "dt_bias", ...}``; "dA" or "A" both read)."""
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     got = _names(answer)
     if got is None:
-        return _verdict(False, "", f"expected a set of gradient names such as {{'A', 'B'}}; got {answer!r}")
+        return verdict(False, "", f"expected a set of gradient names such as {{'A', 'B'}}; got {answer!r}")
     unknown = got - set(_GRADS)
     if unknown:
-        return _verdict(False, "", f"not SSD gradients: {sorted(unknown)} (the names are {list(_GRADS)})")
+        return verdict(False, "", f"not SSD gradients: {sorted(unknown)} (the names are {list(_GRADS)})")
     want = atomic_gradients_expected(g, h)
     missing, extra = sorted(want - got), sorted(got - want)
-    return _verdict(not missing and not extra, f"right: at g={g}, h={h} the atomic adds reach {sorted(want)}",
+    return verdict(not missing and not extra, f"right: at g={g}, h={h} the atomic adds reach {sorted(want)}",
                     f"at g={g}, h={h}: missing {missing or 'none'}, should not be there {extra or 'none'}")
 
 
@@ -76,14 +66,14 @@ def head_split(answer, profile: str = "rtxa6000", b: int = 4, l: int = 4096, h: 
     from mambalab.determinism import ARCH_PROFILES
     from mambalab.determinism.experiments import mamba_ssm_head_split
 
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     got = _pair(answer)
     if got is None:
-        return _verdict(False, "", f"expected a pair (heads per program, partials); got {answer!r}")
+        return verdict(False, "", f"expected a pair (heads per program, partials); got {answer!r}")
     sm = ARCH_PROFILES[profile].sm_count
     want = mamba_ssm_head_split(b, -(-l // chunk_size), h, g, sm)
-    return _verdict(got == want, f"right: {sm} SMs give {want[0]} heads a program, {want[1]} partials",
+    return verdict(got == want, f"right: {sm} SMs give {want[0]} heads a program, {want[1]} partials",
                     f"{profile} ({sm} SMs): expected {want}, got {got} "
                     f"(off by {got[0] - want[0]:+d} heads, {got[1] - want[1]:+d} partials)")
 
@@ -94,13 +84,13 @@ def norm_row_blocks(answer, profile: str = "rtxa6000", rows: int = 256, d: int =
     from mambalab.determinism import ARCH_PROFILES
     from mambalab.determinism.experiments import mamba_ssm_norm_split
 
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     got = _pair(answer)
     if got is None:
-        return _verdict(False, "", f"expected a pair (row blocks, rows per block); got {answer!r}")
+        return verdict(False, "", f"expected a pair (row blocks, rows per block); got {answer!r}")
     sm = ARCH_PROFILES[profile].sm_count
     want = mamba_ssm_norm_split(rows, d, sm, kind="gated", group_size=group_size)
-    return _verdict(got == want, f"right: {sm} SMs give {want[0]} row blocks of {want[1]} rows",
+    return verdict(got == want, f"right: {sm} SMs give {want[0]} row blocks of {want[1]} rows",
                     f"{profile} ({sm} SMs): expected {want}, got {got} "
                     f"(off by {got[0] - want[0]:+d} blocks, {got[1] - want[1]:+d} rows)")

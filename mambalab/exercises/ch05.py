@@ -10,21 +10,11 @@ left as ``None`` or ``...`` reads "not attempted yet".
 """
 from __future__ import annotations
 
+from mambalab.exercises import not_attempted, verdict
+
 __all__ = ["bit_patterns", "bit_patterns_expected", "fold_order"]
 
 QUOTED_PROFILES = ("rtx4090", "rtxa6000", "h200", "l4")
-
-
-def _blank(answer) -> bool:
-    if answer is None or answer is Ellipsis:
-        print("… not attempted yet: replace the None (or ...) with your answer and run the cell again")
-        return True
-    return False
-
-
-def _verdict(ok: bool, right: str, wrong: str) -> bool:
-    print(f"✓ {right}" if ok else f"✗ {wrong}")
-    return ok
 
 
 def bit_patterns_expected(impl: str, profiles=QUOTED_PROFILES, b: int = 4, l: int = 4096, h: int = 32,
@@ -43,16 +33,16 @@ def bit_patterns_expected(impl: str, profiles=QUOTED_PROFILES, b: int = 4, l: in
 def bit_patterns(answer, impl: str = "mamba_ssm", profiles=QUOTED_PROFILES) -> bool:
     """``answer``: the number of distinct dB bit patterns over ``profiles`` (``impl`` "mamba_ssm" or
     "mambalab"), at the quoted shape b=4, l=4096, h=32, g=1, chunk 256."""
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     if impl not in ("mamba_ssm", "mambalab"):
-        return _verdict(False, "", f"impl must be 'mamba_ssm' or 'mambalab'; got {impl!r}")
+        return verdict(False, "", f"impl must be 'mamba_ssm' or 'mambalab'; got {impl!r}")
     try:
         got = int(answer)
     except (TypeError, ValueError):
-        return _verdict(False, "", f"expected a whole number of bit patterns; got {answer!r}")
+        return verdict(False, "", f"expected a whole number of bit patterns; got {answer!r}")
     want = bit_patterns_expected(impl, profiles)
-    return _verdict(got == want, f"right: {want} pattern{'s' * (want != 1)} over {len(profiles)} GPUs ({impl})",
+    return verdict(got == want, f"right: {want} pattern{'s' * (want != 1)} over {len(profiles)} GPUs ({impl})",
                     f"{impl} over {list(profiles)}: expected {want}, got {got} (off by {got - want:+d})")
 
 
@@ -71,26 +61,26 @@ def fold_order(fold, sizes=(5, 32, 33, 100, 1100)) -> bool:
 
     from mambalab.kernels.reduce import sum_partials
 
-    if _blank(fold):
+    if not_attempted(fold):
         return False
     if not callable(fold):
-        return _verdict(False, "", f"expected a function fold(partials) -> sum; got {fold!r}")
+        return verdict(False, "", f"expected a function fold(partials) -> sum; got {fold!r}")
     for P in sizes:
         x = _trial_partials(P, seed=P)
         want = sum_partials(x.view(1, P, 1), dim=1).reshape(())
         try:
             got = fold(x.clone())
         except Exception as err:   # the reader's code: report, never raise
-            return _verdict(False, "", f"fold raised at P={P}: {type(err).__name__}: {err}")
+            return verdict(False, "", f"fold raised at P={P}: {type(err).__name__}: {err}")
         if got is None or got is Ellipsis:
             print("… not attempted yet: fold returned None; write its body and run the cell again")
             return False
         try:
             got = torch.as_tensor(got, dtype=torch.float32).reshape(())
         except (TypeError, ValueError, RuntimeError):
-            return _verdict(False, "", f"fold must return one number; at P={P} it returned {got!r}")
+            return verdict(False, "", f"fold must return one number; at P={P} it returned {got!r}")
         if got.view(torch.int32) != want.view(torch.int32):
             off = abs(float(got) - float(want))
-            return _verdict(False, "", f"at P={P}: sum_partials gives {float(want)!r}, your fold {float(got)!r} "
+            return verdict(False, "", f"at P={P}: sum_partials gives {float(want)!r}, your fold {float(got)!r} "
                             f"(off by {off:.3g}, {off / max(abs(float(want)), 1e-30):.2g} relative)")
-    return _verdict(True, f"right: your fold matches sum_partials bit for bit at P = {', '.join(map(str, sizes))}", "")
+    return verdict(True, f"right: your fold matches sum_partials bit for bit at P = {', '.join(map(str, sizes))}", "")

@@ -12,14 +12,9 @@ d_model 1024, 8 × 2048 tokens, bf16 activations (2 bytes).
 """
 from __future__ import annotations
 
+from mambalab.exercises import not_attempted
+
 __all__ = ["activation_bytes_per_rank", "allreduce_bytes_per_layer", "parameters_per_rank"]
-
-
-def _blank(answer) -> bool:
-    if answer is None or answer is Ellipsis:
-        print("… not attempted yet: replace the None (or ...) with your answer and run the cell again")
-        return True
-    return False
 
 
 def _number(answer):
@@ -30,7 +25,7 @@ def _number(answer):
 
 
 def _compare(answer, want: float, what: str, rtol: float = 1e-6) -> bool:
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     got = _number(answer)
     if got is None:
@@ -68,7 +63,7 @@ def parameters_per_rank(answer, config, tp: int = 2) -> bool:
     counted on the tensor-parallel model built on the meta device."""
     from mambalab.parallel.cost import memory_per_rank
 
-    if _blank(answer):
+    if not_attempted(answer):
         return False
     want = memory_per_rank(config, tp)[0]["parameters"]
     return _compare(answer, want, f"parameters on rank 0 (TP = {tp})")

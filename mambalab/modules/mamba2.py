@@ -52,6 +52,7 @@ from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_st
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
 from mambalab.ref.ssd import ssd_chunked, ssd_ref, ssd_step
+from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba2"]
 
@@ -320,16 +321,7 @@ class Mamba2(nn.Module):
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
         """This layer's ``(conv_state, ssm_state)`` in ``inference_params.key_value_memory_dict``, made on
         first use (zeroed again with ``initialize_states``)."""
-        if self.layer_idx is None:
-            raise ValueError("decoding with inference_params needs the block's layer_idx (its key in "
-                             "inference_params.key_value_memory_dict); construct it with layer_idx=...")
-        states = inference_params.key_value_memory_dict
-        if self.layer_idx not in states:
-            states[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        elif initialize_states:
-            for state in states[self.layer_idx]:
-                state.zero_()
-        return states[self.layer_idx]
+        return states_from_cache(self, inference_params, batch_size, initialize_states)
 
     def step(self, hidden_states: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor):
         """Decode one token: hidden_states (b, 1, d_model) -> (out (b, 1, d_model), conv_state, ssm_state).

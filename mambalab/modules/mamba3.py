@@ -74,6 +74,7 @@ import torch.nn.functional as F
 from mambalab import validate
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ref.mamba3 import Mamba3State, halves_order, halves_to_pairs, pairs_to_halves, zero_state
+from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba3", "BACKENDS", "MIMO_RANKS"]
 
@@ -339,16 +340,7 @@ class Mamba3(nn.Module):
     def _get_states_from_cache(self, inference_params, batch_size: int, initialize_states: bool = False):
         """This layer's mamba-ssm-layout state tuple in ``inference_params.key_value_memory_dict``, made on
         first use (zeroed again with ``initialize_states``)."""
-        if self.layer_idx is None:
-            raise ValueError("decoding with inference_params needs the block's layer_idx (its key in "
-                             "inference_params.key_value_memory_dict); construct it with layer_idx=...")
-        states = inference_params.key_value_memory_dict
-        if self.layer_idx not in states:
-            states[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        elif initialize_states:
-            for state in states[self.layer_idx]:
-                state.zero_()
-        return states[self.layer_idx]
+        return states_from_cache(self, inference_params, batch_size, initialize_states)
 
     def state_from_cache(self, cache) -> Mamba3State:
         """mamba-ssm's ``(angle_state, ssm_state, k_state, v_state)`` -> mambalab's Mamba3State (new tensors in
