@@ -6,6 +6,17 @@ import torch
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+# transformers binds mamba-ssm's kernels when its Mamba modules are first imported, if `import mamba_ssm`
+# works at that moment. mambalab.oracle makes it work without mamba-ssm's CUDA extension (a stand-in module
+# whose every op raises), so once any test has loaded the oracle, transformers' Mamba would call CUDA-only
+# ops on the CPU. Import those modules now, before any test loads the oracle: they bind what a plain
+# install gives a user (the CUDA ops where the extension is built, PyTorch's path elsewhere).
+try:
+    import transformers.models.mamba.modeling_mamba  # noqa: F401
+    import transformers.models.mamba2.modeling_mamba2  # noqa: F401
+except ImportError:  # transformers is optional for most tests
+    pass
+
 
 @pytest.fixture
 def kernel_device() -> str:
