@@ -411,6 +411,34 @@ def test_chunk_scan_checks_once_per_signature_and_chunk_size(monkeypatch):
         mamba3_chunk_scan(**{**inp, "dt": inp["dt"][:, :16]}, chunk_size=16)
     assert len(calls) == 3
 
+
+def test_chunk_scan_refuses_a_float_or_bool_chunk_size_after_an_int_one():
+    """16.0 == 16 and True == 1 hash alike: the signature cache must not let them past the check that a
+    call with 16 passed (they would reach the tile rule's bit operations)."""
+    inp = {k: None if t is None else t.to(KERNEL_DEVICE)
+           for k, t in make_mamba3_inputs(1, 32, 2, 16, 1, 16, 1, 2, dtype=torch.float32).items()
+           if k != "initial_state"}
+    with torch.no_grad():
+        mamba3_chunk_scan(**inp, chunk_size=16)
+        for chunk_size in (16.0, True):
+            with pytest.raises(ValueError, match=f"chunk_size must be a positive int; got {chunk_size}"):
+                mamba3_chunk_scan(**inp, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_infinite_dt_is_named_before_launch(bad):
+    inp = {k: None if t is None else t.to(KERNEL_DEVICE)
+           for k, t in make_mamba3_inputs(1, 32, 2, 16, 1, 16, 1, 2, dtype=torch.float32).items()
+           if k != "initial_state"}
+    dt = inp["dt"].clone()
+    dt[0, 5, 1] = bad
+    with torch.no_grad(), pytest.raises(ValueError, match="dt contains NaN or infinite values"):
+        mamba3_chunk_scan(**{**inp, "dt": dt}, chunk_size=16)
+    state = zero_state(1, 2, 16, 16, 1, 2, torch.float32, KERNEL_DEVICE)
+    tok = {k: (t[:, 0] if k in SEQUENCE and t is not None else t) for k, t in inp.items()}
+    with torch.no_grad(), pytest.raises(ValueError, match="dt contains NaN or infinite values"):
+        mamba3_step(state, **{**tok, "dt": dt[:, 5]})
+
 # ---------------------------------------------------------------------------------------------- GPU only
 @requires_gpu
 def test_gpu_bf16_matches_reference_and_repeats():
