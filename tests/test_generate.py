@@ -103,6 +103,12 @@ def test_cuda_graph_decoding_emits_the_eager_tokens(name):
     prompt = PROMPT.cuda()
     eager = generate(model, prompt, max_new_tokens=8, temperature=0)
     assert torch.equal(generate(model, prompt, max_new_tokens=8, temperature=0, cg=True), eager)
+    # the graph recorded above is replayed for a new prompt and length: its states take the new prefill
+    other = torch.flip(prompt, dims=[1])[:, :5]
+    graph = DecodeGraph.for_model(model, prompt.shape[0])
+    assert torch.equal(generate(model, other, max_new_tokens=12, temperature=0, cg=True),
+                       generate(model, other, max_new_tokens=12, temperature=0))
+    assert DecodeGraph.for_model(model, prompt.shape[0]) is graph and graph.graph is not None
 
 
 def test_cuda_graph_refuses_a_cpu_model():

@@ -105,7 +105,8 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
     """Yield each new token (b,) as it is chosen; the arguments are :func:`generate`'s.
 
     ``decode_step(tokens (b, 1), inference_params) -> logits (b, V)``, when given, replaces the eager step (the CUDA
-    graph of :mod:`mambalab.inference.graphs` plugs in here); the prefill always runs eagerly."""
+    graph of :mod:`mambalab.inference.graphs` plugs in here); the prefill always runs eagerly. A decode step
+    with a ``params`` attribute (the graph's own cache) is given those: the prefill fills them."""
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be integer token ids of shape (b, l >= 1); got "
                          f"{tuple(input_ids.shape)} {input_ids.dtype}")
@@ -113,7 +114,11 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
     b, l0 = input_ids.shape
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
     greedy = temperature == 0 or not do_sample
-    params = InferenceParams(max_seqlen=l0 + max_new_tokens, max_batch_size=b)
+    params = getattr(decode_step, "params", None)    # a CUDA graph decodes on the states it owns
+    if params is None:
+        params = InferenceParams(max_seqlen=l0 + max_new_tokens, max_batch_size=b)
+    else:
+        params.reset(l0 + max_new_tokens, b)
     seen = input_ids.long()
     logits = model(seen, inference_params=params)[:, -1].float()           # (b, V)
     params.seqlen_offset = l0
@@ -165,7 +170,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     decode_step = None
     if cg:
         from mambalab.inference.graphs import DecodeGraph
-        decode_step = DecodeGraph(model, batch_size=input_ids.shape[0])
+        decode_step = DecodeGraph.for_model(model, batch_size=input_ids.shape[0])   # recorded once, then replayed
     tokens = []
     for token in stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
                         eos_token_id, generator, do_sample, progress, decode_step):
