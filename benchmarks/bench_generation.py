@@ -43,8 +43,12 @@ def sync(device):
 
 
 def time_generation(run, device, max_new_tokens):
-    """(prefill s, decode ms/token, peak GiB) of ``run(n)``, which generates n tokens; prefill = run(1)."""
-    run(2)                                   # warm-up: kernel compilation and autotuning
+    """(prefill s, decode ms/token, peak GiB) of ``run(n)``, which generates n tokens; prefill = run(1).
+
+    The warm-up generates the timed length once: kernels compile and autotune there, and both libraries record
+    their CUDA graphs there (mamba-ssm records again when a sequence is longer than the one it recorded for),
+    so no recording is timed."""
+    run(max_new_tokens)
     sync(device)
     t0 = time.perf_counter()
     run(1)
@@ -75,18 +79,23 @@ def mamba_ssm_model(ours: MambaLM, cfg: dict, device, dtype):
     return theirs.eval()
 
 
-def bench_row(name, cfg, prompt_len, new_tokens, batch, device, dtype, rival: bool):
+def bench_row(name, cfg, prompt_len, new_tokens, batch, device, dtype, rival: bool, eager: bool):
     torch.manual_seed(0)
     model = MambaLM(LMConfig(**cfg)).to(device=device, dtype=dtype).eval()
     prompt = torch.randint(0, cfg["vocab_size"], (batch, prompt_len), device=device)
     row = dict(config=name, prompt=prompt_len, new_tokens=new_tokens, batch=batch, dtype=str(dtype))
-    variants = {"mambalab_eager": lambda n: generate(model, prompt, n, temperature=0)}
+    variants = {}
+    if eager or device.type != "cuda":
+        variants["mambalab_eager"] = lambda n: generate(model, prompt, n, temperature=0)
     if device.type == "cuda":
         variants["mambalab_cg"] = lambda n: generate(model, prompt, n, temperature=0, cg=True)
         if rival:
             theirs = mamba_ssm_model(model, cfg, device, dtype)
             variants["mamba_ssm_cg"] = lambda n: theirs.generate(prompt, max_length=prompt_len + n, cg=True,
                                                                  top_k=1, enable_timing=False)
+            same = torch.equal(generate(model, prompt, 8, temperature=0, cg=True)[:, prompt_len:],
+                               variants["mamba_ssm_cg"](8)[:, prompt_len:])
+            row["same_greedy_tokens_8"] = bool(same)   # bf16 rounding may make a near-tie go either way
     for variant, run in variants.items():
         prefill, ms, peak = time_generation(run, device, new_tokens)
         row[variant] = dict(prefill_s=prefill, decode_ms_per_token=ms, tokens_per_s=1e3 * batch / ms, peak_gib=peak)
@@ -103,17 +112,25 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--no-rival", action="store_true", help="skip mamba-ssm")
+    parser.add_argument("--eager-tokens", type=int, nargs="*", default=[128],
+                        help="the new-token counts at which mambalab's eager (no CUDA graph) decoding is timed too")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_generation.json"))
     args = parser.parse_args(argv)
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
-        rows = [bench_row("smoke", SMOKE, 8, 4, 2, device, dtype, rival=False)]
+        rows = [bench_row("smoke", SMOKE, 8, 4, 2, device, dtype, rival=False, eager=True)]
     else:
         if not torch.cuda.is_available():
             parser.exit(2, "bench_generation.py: needs a CUDA GPU (use --smoke on the CPU)\n")
         device, dtype = torch.device("cuda"), torch.bfloat16
-        rows = [bench_row(name, CONFIGS[name], args.prompt, n, b, device, dtype, rival=not args.no_rival)
-                for name in args.configs for n in args.new_tokens for b in args.batch]
+        rows = []
+        for name in args.configs:
+            for n in args.new_tokens:
+                for b in args.batch:
+                    rows.append(bench_row(name, CONFIGS[name], args.prompt, n, b, device, dtype,
+                                          rival=not args.no_rival, eager=n in args.eager_tokens))
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # what is done survives a cut-off
+                    Path(args.out).write_text(json.dumps(dict(rows=rows), indent=2))
     record = dict(machine=platform.node(), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                   torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), rows=rows)
     if not args.smoke:

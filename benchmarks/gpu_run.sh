@@ -6,7 +6,9 @@
 #   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep,
 #            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic),
 #            ssd-sweep (tile configurations), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
-#            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size),
+#            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size), gen-tests (generation
+#            and checkpoints, CUDA-graph decoding included), generation (bench_generation.py against mamba-ssm's
+#            generate), decode-b64 (the Mamba-3 decode step at batch 64: time and achieved bandwidth),
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
 #            for tilelang-a, then .carry/tilelang-b with .whl for tilelang-b in the next call, while the machine
@@ -80,6 +82,23 @@ for step in "$@"; do
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
               timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >>"$OUT/tp-bench.log" 2>&1; tail -4 "$OUT/tp-bench.log" ;;
+    gen-tests) timeout "${GEN_TESTS_T:-150}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py \
+                 tests/test_inference_checkpoints.py >"$OUT/gen-tests.log" 2>&1; tail -4 "$OUT/gen-tests.log" ;;
+    generation) # Mamba-2 configurations first (mamba-ssm's Triton kernels), then Mamba-1 (its CUDA extension)
+                timeout "${GEN2_T:-240}" python3 benchmarks/bench_generation.py --configs mamba2-130m mamba2-2.7b \
+                  --out "$OUT/generation_mamba2.json" >"$OUT/generation.log" 2>&1
+                ext_ready
+                timeout "${GEN1_T:-120}" python3 benchmarks/bench_generation.py --configs mamba-130m \
+                  --out "$OUT/generation_mamba1.json" >>"$OUT/generation.log" 2>&1
+                grep -E "tok/s|Error|error" "$OUT/generation.log" | tail -40 ;;
+    decode-b64) timeout "${DEC_T:-90}" python3 -c "
+import json, sys; sys.path.insert(0, 'benchmarks')
+from bench_mamba3 import decode
+rows = [decode(64, 32, 64, 1, 128, 32, r) for r in (1, 2, 4)]
+for s in rows: s['graph_over_r1'] = s['graph_ms'] / rows[0]['graph_ms'] if isinstance(s['graph_ms'], float) else None
+json.dump(rows, open('$OUT/decode_b64.json', 'w'), indent=2)
+for s in rows: print('decode b64 r=%d eager %.1f us graph %s us graph GB/s %s' % (s['r'], s['ms'] * 1e3, s['graph_ms'] * 1e3 if isinstance(s['graph_ms'], float) else s['graph_ms'], s['graph_GB_per_s']))
+" >"$OUT/decode-b64.log" 2>&1; tail -4 "$OUT/decode-b64.log" ;;
     nb-*) only=${step#nb-}; timeout 500 python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
     *) echo "unknown step $step" ;;
