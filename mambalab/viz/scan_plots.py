@@ -1,7 +1,8 @@
 """Figures for the selective-scan chapter (notebook 01): memory of the state, the scan's combine tree, timings.
 
 Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled axes and units; notebooks call
-``fig.show()``. :func:`memory_explorer` wraps :func:`memory_kernel_figure` in an ipywidgets slider over Δ.
+``fig.show()``. :func:`memory_explorer` wraps :func:`memory_kernel_figure` in an ipywidgets slider over Δ, the
+slider's curve drawn bold over a few fixed Δ values.
 :func:`scan_schedule` is the combine schedule the tree figure draws, also usable to run the scan by hand.
 """
 from __future__ import annotations
@@ -16,13 +17,15 @@ __all__ = ["memory_kernel_figure", "memory_explorer", "scan_schedule", "scan_tre
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
 
-def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -> go.Figure:
+def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int,
+                         highlight: float | None = None) -> go.Figure:
     """How much of an input the state still holds k steps later, for a few step sizes Δ.
 
     With a constant Δ, unrolling h_t = exp(Δ A) h_{t-1} + Δ B u_t gives h_t = Σ_k exp(Δ A k) · Δ B u_{t-k}:
     the input from k steps ago is weighted by exp(Δ·A·k) (A < 0). One curve per Δ, over lags 0 … length-1,
     with the 1/e line: a state "remembers" about 1 / (Δ |A|) steps. Large Δ: focus on the present (and reset);
-    small Δ: keep the past (and ignore the current input, since B̄ = Δ B is small too).
+    small Δ: keep the past (and ignore the current input, since B̄ = Δ B is small too). ``highlight``: one
+    more Δ, drawn bold in black (the explorer's slider value).
     """
     if A >= 0:
         raise ValueError(f"A must be negative for the state to decay; got A = {A}")
@@ -35,6 +38,13 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -
             name=f"Δ = {dt:.3g}  (memory ≈ {memory:.3g} steps)", line=dict(color=_COLORS[i % len(_COLORS)]),
             hovertemplate="lag %{x} steps<br>kept %{y:.3f}<extra>Δ = " + f"{dt:.3g}" + "</extra>",
         ))
+    if highlight is not None:
+        fig.add_trace(go.Scatter(
+            x=lags, y=[math.exp(highlight * A * k) for k in lags], mode="lines",
+            name=f"slider: Δ = {highlight:.3g}  (memory ≈ {1.0 / (highlight * abs(A)):.3g} steps)",
+            line=dict(color="black", width=4),
+            hovertemplate="lag %{x} steps<br>kept %{y:.3f}<extra>slider Δ = " + f"{highlight:.3g}" + "</extra>",
+        ))
     fig.add_hline(y=math.exp(-1), line=dict(dash="dot", color="grey"),
                   annotation_text="1/e", annotation_position="top right")
     fig.update_layout(
@@ -46,8 +56,10 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int) -
     return fig
 
 
-def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0):
-    """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` for the slider's Δ.
+def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0,
+                    reference_deltas: Sequence[float] = ()):
+    """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` with the slider's Δ drawn bold
+    over the fixed ``reference_deltas``.
 
     Starts at ``delta`` so that a headless run shows a meaningful figure. Moving the slider redraws the
     figure (a :class:`mambalab.viz.notebook.LiveFigure`; no anywidget needed). Displays; returns the slider.
@@ -59,7 +71,7 @@ def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float 
     slider = widgets.FloatLogSlider(value=delta, base=10, min=math.log10(delta_min), max=math.log10(delta_max),
                                     step=0.05, description="Δ", continuous_update=False, readout_format=".3g",
                                     layout=widgets.Layout(width="60%"))
-    explore({"delta": slider}, lambda: memory_kernel_figure([slider.value], A, length))
+    explore({"delta": slider}, lambda: memory_kernel_figure(list(reference_deltas), A, length, highlight=slider.value))
     return slider
 
 
