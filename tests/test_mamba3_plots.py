@@ -25,7 +25,9 @@ def test_roofline_figure_has_the_ridge_point():
     fig = mp.roofline_figure([1, 2, 4, 8], 64, 128)
     assert fig.layout.title.text and fig.layout.xaxis.title.text and fig.layout.yaxis.title.text
     assert list(fig.data[0].x) == [1, 2, 4, 8]
-    assert fig.data[1].y[0] == pytest.approx(790e12 / 4.8e12) and "ridge" in fig.data[1].name
+    # the H200's dense bf16 peak (989 TFLOP/s) over its HBM bandwidth (4.8 TB/s): about 206 FLOP/byte
+    assert fig.data[1].y[0] == pytest.approx(989e12 / 4.8e12) and fig.data[1].y[0] == pytest.approx(206, abs=0.5)
+    assert "ridge" in fig.data[1].name and "989 TFLOP/s" in fig.data[1].name and "= 206 FLOP/byte" in fig.data[1].name
 
 
 def test_discretization_figure_has_trajectories_and_error_curves():

@@ -65,8 +65,9 @@ def semiseparable_figure(M: torch.Tensor, chunk_size: int, *, n: int | None = No
                          note: str | None = None) -> go.Figure:
     """Heatmap of M with the chunk grid over it; blocks below the diagonal outlined and annotated with their rank.
 
-    Diagonal blocks (lower triangular, full rank) are what step 1 of the chunked algorithm computes as small
-    matrices; the blocks below them are low rank (at most n), which steps 2–4 exploit by never forming them.
+    Diagonal blocks (lower triangular, full rank) are what step 3 of the chunked algorithm computes inside each
+    chunk as small matrices; the blocks below them are low rank (at most n), which steps 1–3 exploit by never
+    forming them (chunk states, state passing, and the entering state's part of step 3).
     Shapes carry names (``"chunk grid"``, ``"diagonal block"``, ``"off-diagonal block"``); each off-diagonal
     block has an annotation ``"rank r"``.
     """
@@ -103,8 +104,8 @@ def semiseparable_figure(M: torch.Tensor, chunk_size: int, *, n: int | None = No
                                     bgcolor="rgba(255,255,255,0.7)"))
     fig.update_layout(shapes=shapes, annotations=annotations)
     # Legend entries for the outline colours (shapes have none).
-    for name, color in ((f"{DIAGONAL_NAME}: step 1, a q × q matrix product", _COLORS[2]),
-                        (f"{OFF_DIAGONAL_NAME}: low rank, steps 2–4" + (f" (rank ≤ n = {n})" if n else ""),
+    for name, color in ((f"{DIAGONAL_NAME}: step 3 inside the chunk, a q × q matrix product", _COLORS[2]),
+                        (f"{OFF_DIAGONAL_NAME}: low rank, steps 1–3" + (f" (rank ≤ n = {n})" if n else ""),
                          _COLORS[1])):
         fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", line=dict(color=color, width=2), name=name))
     title = f"Semiseparable matrix M = L ∘ C Bᵀ of one head: l = {l}, chunk size q = {q} ({c} chunks)"
