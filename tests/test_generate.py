@@ -125,3 +125,11 @@ def test_generation_benchmark_runs_on_a_tiny_config():
     spec.loader.exec_module(bench)
     row = bench.main(["--smoke"])["rows"][0]
     assert row["mambalab_eager"]["decode_ms_per_token"] > 0 and row["batch"] == 2
+
+
+def test_num_last_tokens_gives_the_last_positions_logits():
+    model = tiny("mamba2")
+    with torch.no_grad():
+        full = model(PROMPT)
+        torch.testing.assert_close(model(PROMPT, num_last_tokens=1), full[:, -1:])
+        torch.testing.assert_close(model(PROMPT, num_last_tokens=3), full[:, -3:])

@@ -120,7 +120,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
     else:
         params.reset(l0 + max_new_tokens, b)
     seen = input_ids.long()
-    logits = model(seen, inference_params=params)[:, -1].float()           # (b, V)
+    logits = model(seen, inference_params=params, num_last_tokens=1)[:, -1].float()   # (b, V)
     params.seqlen_offset = l0
     finished = torch.zeros(b, dtype=torch.bool, device=input_ids.device)
     bar = None

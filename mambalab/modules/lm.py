@@ -125,8 +125,10 @@ class MambaLM(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 
-    def forward(self, ids: torch.Tensor, inference_params=None) -> torch.Tensor:
-        """ids (b, l) -> logits (b, l, vocab_size).
+    def forward(self, ids: torch.Tensor, inference_params=None, num_last_tokens: int = 0) -> torch.Tensor:
+        """ids (b, l) -> logits (b, l, vocab_size), or (b, num_last_tokens, vocab_size) for the last positions
+        only when ``num_last_tokens`` > 0 (as mamba-ssm's ``MambaLMHeadModel``: a prefill needs one position's
+        logits, and all of them cost b · l · vocab_size numbers, 6.6 GB at 64K tokens and 50K words in bf16).
 
         inference_params: mamba-ssm's ``InferenceParams`` (or :class:`mambalab.inference.InferenceParams`):
         every mixer keeps its state in ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the
@@ -139,6 +141,8 @@ class MambaLM(nn.Module):
                 h = layer(h)
             else:
                 h = h + layer.mixer(layer.norm(h), inference_params=inference_params)
+        if num_last_tokens > 0:
+            h = h[:, -num_last_tokens:]
         return self.lm_head(self.norm_f(h))                  # (b, l, vocab_size)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None) -> dict:
