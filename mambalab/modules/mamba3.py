@@ -299,14 +299,9 @@ class Mamba3(nn.Module):
         if self.is_outproj_norm:
             y = self.norm(y, projected[..., :self.d_inner])                      # z gates after the norm
         out = self.out_proj(y.to(u.dtype))                                       # (b, l, d_model)
-        return (out, self._wrap_angle(state)) if return_final_state else out
+        return (out, state) if return_final_state else out
 
     # ------------------------------------------------------------------------------------------ decoding
-    @staticmethod
-    def _wrap_angle(state: Mamba3State) -> Mamba3State:
-        """The state with θ reduced to [0, 2π), where mamba-ssm's scan leaves it."""
-        return state._replace(angle=torch.remainder(state.angle, 2 * math.pi))
-
     def zero_state(self, batch_size: int, dtype=None) -> Mamba3State:
         """mambalab's zeroed :class:`~mambalab.ref.mamba3.Mamba3State` for :meth:`step`: angle (b, h, a),
         ssm (b, h, p, n), k (b, h, r, n) and v (b, h, p), in fp32 (fp64 for a fp64 block or ``dtype``).
@@ -384,7 +379,6 @@ class Mamba3(nn.Module):
         _, step = scan_functions(self.backend)
         projected = self.in_proj(token[:, 0])
         y, new = step(current, **self.scan_inputs(projected))                   # (b, h, p)
-        new = self._wrap_angle(new)
         y = y.flatten(-2)                                                       # (b, d)
         if self.is_outproj_norm:
             y = self.norm(y, projected[..., :self.d_inner])

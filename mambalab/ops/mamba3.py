@@ -27,7 +27,7 @@ from mambalab import validate
 from mambalab.kernels import mamba3 as _kernels
 from mambalab.kernels.ssd.tiles import MIN_DOT
 from mambalab.ops.ssd import check_kernel_limits
-from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs,
+from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, wrap_angle,
                                  entering_state, step_weights)
 
 REDUCTIONS = (None, "atomic", "deterministic")
@@ -250,7 +250,7 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     if not return_final_state:
         return out
     k_last = biased_rotated(k[:, -1].float(), k_bias, theta[:, -1]).transpose(1, 2)   # (b, h, r, n) in fp32
-    return out, Mamba3State(theta[:, -1], final, k_last, v[:, -1].float())
+    return out, Mamba3State(wrap_angle(theta[:, -1]), final, k_last, v[:, -1].float())
 
 
 def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,

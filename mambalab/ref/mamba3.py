@@ -61,6 +61,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -153,6 +155,12 @@ def check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
 
 
 # ---------------------------------------------------------------------------------------------- pieces
+def wrap_angle(theta: torch.Tensor) -> torch.Tensor:
+    """θ reduced to [0, 2π): the angle a state carries, where mamba-ssm's kernels keep it (the turn is the same
+    modulo 2π; the reduced angle keeps the state's magnitude bounded over a long decode)."""
+    return torch.remainder(theta, 2 * math.pi)
+
+
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
     """fp64 stays fp64; everything else is computed in fp32."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
@@ -293,7 +301,7 @@ def _step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, m
            + gamma[..., None, None] * U_now)                                  # (b, h, p, n)
     y = torch.einsum("bhpn,brhn->brhp", ssm, q_hat)                           # (b, r, h, p)
     out = rank_outputs(y, v_now, D, z, mimo_z, mimo_o)                        # (b, h, p)
-    return out.to(dtype_in), Mamba3State(theta, ssm, k_hat, v)
+    return out.to(dtype_in), Mamba3State(wrap_angle(theta), ssm, k_hat, v)
 
 
 def mamba3_recurrent(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
@@ -491,5 +499,5 @@ def mamba3_chunked(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=Non
     if not return_final_state:
         return out
     # σ_{l-1} = γ_{l-1} (nothing after the last step), so the SSD's final state is H_{l-1} itself.
-    state = Mamba3State(theta[:, -1], final, k_hat[:, -1].transpose(1, 2), v[:, -1])
+    state = Mamba3State(wrap_angle(theta[:, -1]), final, k_hat[:, -1].transpose(1, 2), v[:, -1])
     return out, state

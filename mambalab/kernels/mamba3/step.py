@@ -3,7 +3,7 @@
 Math (per batch row and head; see :mod:`mambalab.ref.mamba3`, whose :func:`~mambalab.ref.mamba3.mamba3_step_ref`
 this kernel is checked against):
 
-    θ'      = θ + angles ⊙ Δ                                    new angle state (a,)
+    θ'      = θ + angles ⊙ Δ                                    new angle state (a,), stored mod 2π in [0, 2π)
     k̂_r     = Rot(θ') (k_r + k_bias_r),  q̂_r = Rot(θ') (q_r + q_bias_r)
     U_prev  = Σ_r (v_prev ⊙ W^V_r) k_prev,rᵀ,   U = Σ_r (v ⊙ W^V_r) k̂_rᵀ
     H'      = α H + (1 - λ) Δ α U_prev + λ Δ U,   α = exp(AΔ)
@@ -177,7 +177,8 @@ def mamba3_step_kernel(
     tl.store(ssm_out_ptr + s_ptrs, tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2)), mask=mask_pc)
     tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
     if pid_p == 0:
-        tl.store(angle_out_ptr + bh * a + offs_i, theta, mask=mask_a)
+        two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
+        tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
     if RANK_TILE:
         q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
                                qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
