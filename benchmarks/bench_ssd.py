@@ -8,8 +8,14 @@ pins its configurations at import, so it is a separate process: run once plain a
 ``--mamba-deterministic`` (which sets MAMBA_DETERMINISTIC=1 before mamba-ssm is imported). Each process times
 mambalab beside the rival it has, so every ratio is within one run.
 
+``--varlen N``: packed sequences instead. The b · l tokens of the shape (16384 by default) as one row of N
+sequences of unequal lengths (seeded cuts), ``seq_idx`` and ``cu_seqlens`` given: forward+backward of mambalab
+(deterministic) against mamba_chunk_scan_combined with the same seq_idx, the forward with
+``return_varlen_states`` for both (mamba-ssm's backward refuses varlen states), mambalab on the same row
+without seq_idx (what the masks cost), and the largest differences from mamba-ssm.
+
     python benchmarks/bench_ssd.py --out DIR/ssd_default.json [--mamba-deterministic] [--stages] [--sweep]
-                                  [--precompile-rival N]
+                                  [--precompile-rival N] [--varlen N]
 """
 from __future__ import annotations
 
@@ -71,6 +77,46 @@ def differences(ours, theirs):
         diff[k] = (o_g[k].float() - t_g[k].float()).abs().max().item()
         scale[k] = t_g[k].float().abs().max().item()
     return {"max_abs_diff": diff, "max_abs_rival": scale}
+
+
+def varlen_lengths(total, count, seed=0):
+    """``count`` unequal sequence lengths summing to ``total``: cuts at count - 1 distinct seeded positions."""
+    gen = torch.Generator().manual_seed(seed)
+    cuts = (torch.randperm(total - 1, generator=gen)[:count - 1] + 1).sort().values.tolist()
+    bounds = [0, *cuts, total]
+    return [e - s for s, e in zip(bounds, bounds[1:])]
+
+
+def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps):
+    """One dtype of the ``--varlen`` mode (module docstring)."""
+    b, l, h, hp, g, n = shape
+    lengths = varlen_lengths(b * l, count)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    seq = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device="cuda"),
+                                  torch.tensor(lengths, device="cuda"))[None]             # (1, b · l)
+    x = make(1, b * l, h, hp, g, n, DTYPES[dname])
+    dout = torch.randn(1, b * l, h, hp, device="cuda", dtype=DTYPES[dname])
+    ours = dict(reduction="deterministic")
+    case = {"dtype": dname, "lengths": lengths,
+            "mambalab_deterministic": measure(fn_ours, x, dout, chunk, reps, seq_idx=seq, **ours),
+            rival: measure(fn_rival, x, dout, chunk, reps, seq_idx=seq),
+            "mambalab_deterministic_no_seq_idx": measure(fn_ours, x, dout, chunk, 1, **ours)}
+    case["ratio_fwd_bwd_deterministic"] = case["mambalab_deterministic"]["fwd_bwd_ms"] / case[rival]["fwd_bwd_ms"]
+    case["ratio_fwd_deterministic"] = case["mambalab_deterministic"]["fwd_ms"] / case[rival]["fwd_ms"]
+    case["masks_cost_fwd_bwd"] = (case["mambalab_deterministic"]["fwd_bwd_ms"]
+                                  / case["mambalab_deterministic_no_seq_idx"]["fwd_bwd_ms"])
+    varlen = dict(seq_idx=seq, cu_seqlens=cu, return_varlen_states=True)
+    with torch.no_grad():
+        case["varlen_states_fwd_ms"] = {
+            "mambalab": time_ms(lambda: step(fn_ours, x, dout, chunk, backward=False, **varlen, **ours)),
+            rival: time_ms(lambda: step(fn_rival, x, dout, chunk, backward=False, **varlen))}
+        (o_out, o_states), _ = step(fn_ours, x, dout, chunk, backward=False, **varlen, **ours)
+        (t_out, t_states), _ = step(fn_rival, x, dout, chunk, backward=False, **varlen)
+    case["vs_rival"] = differences(step(fn_ours, x, dout, chunk, seq_idx=seq, **ours),
+                                   step(fn_rival, x, dout, chunk, seq_idx=seq))
+    case["vs_rival"]["max_abs_diff"]["varlen_states"] = (o_states - t_states.float()).abs().max().item()
+    case["vs_rival"]["max_abs_rival"]["varlen_states"] = t_states.float().abs().max().item()
+    return case
 
 
 def stages(x, dout, chunk, reduction):
@@ -160,6 +206,8 @@ def main():
     p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
     p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    p.add_argument("--varlen", type=int, default=0, metavar="N",
+                   help="packed sequences: the b·l tokens as one row of N sequences (module docstring)")
     add_precompile_arguments(p)   # mamba-ssm's default mode autotunes: compile its configurations in parallel first
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -185,6 +233,19 @@ def main():
         precompile_in_parallel(__file__, argv, args.precompile_rival)
 
     rival = "mamba_ssm_deterministic" if args.mamba_deterministic else "mamba_ssm_default"
+    if args.varlen:
+        result = {"benchmark": "ssd_chunk_scan_varlen", "rival": rival, "environment": environment(),
+                  "shape": {"b": 1, "l": b * l, "h": h, "p": hp, "g": g, "n": n, "chunk": args.chunk,
+                            "sequences": args.varlen},
+                  "options": "dt_softplus, D (h), dt_bias, seq_idx; cu_seqlens with return_varlen_states in "
+                             "varlen_states_fwd_ms; no z, no initial states", "cases": []}
+        for dname in args.dtypes:
+            case = varlen_case(ssd_chunk_scan, mamba_chunk_scan_combined, rival, args.shape, args.chunk,
+                               args.varlen, dname, args.reps)
+            print(case, flush=True)
+            result["cases"].append(case)
+            write(args.out, result)
+        return
     result = {"benchmark": "ssd_chunk_scan", "rival": rival, "environment": environment(),
               "shape": {"b": b, "l": l, "h": h, "p": hp, "g": g, "n": n, "chunk": args.chunk},
               "options": "dt_softplus, D (h), dt_bias; no z, no initial states", "cases": []}

@@ -100,6 +100,36 @@ class Finite:
             raise ValueError(f"{self.name} contains NaN or infinite values")
 
 
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def index_tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = INDEX_DTYPES) -> torch.Tensor:
+    """``x`` must be an integer tensor (positions or indices) of one of ``dtypes``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    dtypes = tuple(dtypes)
+    if x.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype {names}; got {str(x.dtype).replace('torch.', '')}")
+    return x
+
+
+class Nondecreasing:
+    """The check that ``x`` never decreases along its last axis, in two halves as :class:`Finite`: building it
+    queues one comparison and reduction on ``x``'s device, :meth:`check` reads the answer and raises naming
+    ``name``. Skipped while a CUDA graph is captured."""
+
+    def __init__(self, name: str, x: torch.Tensor):
+        self.name = name
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        self._drops = (x[..., 1:] < x[..., :-1]).any() if x.shape[-1] > 1 and not capturing else None
+
+    def check(self) -> None:
+        if self._drops is not None and bool(self._drops):
+            raise ValueError(f"{self.name} must be nondecreasing along its last axis (each sequence's positions "
+                             "together, in order); it decreases somewhere")
+
+
 def distinct_elements(x: torch.Tensor) -> torch.Tensor:
     """A view of ``x`` without its broadcast axes (stride 0, size > 1: an ``expand``), each narrowed to its
     first index. It holds every value ``x`` holds, and no more elements than ``x``'s storage: a check that

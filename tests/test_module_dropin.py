@@ -2,8 +2,8 @@
 
 * Signatures: every argument of mamba-ssm's constructors, ``forward``, ``step`` and ``allocate_inference_cache``
   is accepted, in mamba-ssm's order with its defaults; mambalab's own arguments are keyword-only after them.
-* Arguments that cannot be honoured fail naming themselves (``process_group``, ``dropout``, ``seq_idx``,
-  ``cu_seqlens``); ones that change nothing (``use_fast_path``, ``use_mem_eff_path``, ``use_tilelang``) are taken.
+* Arguments that cannot be honoured fail naming themselves (``process_group``, ``dropout``, Mamba3's ``seq_idx``
+  and ``cu_seqlens``); ones that change nothing (``use_fast_path``, ``use_mem_eff_path``, ``use_tilelang``) are taken.
 * Decoding with mamba-ssm's own ``InferenceParams`` (prefill at ``seqlen_offset == 0``, then one token per call):
   Mamba1 and Mamba2 against mamba-ssm's blocks loaded with the same weights, run the same way on the CPU (their
   pure-PyTorch paths: its scan reference in place of its CUDA/Triton scans); Mamba3, whose step mamba-ssm runs
@@ -83,11 +83,15 @@ def test_arguments_that_cannot_be_honoured_fail_naming_themselves():
     m2 = Mamba2(D_MODEL, d_state=8, headdim=8, scan="reference")
     m3 = Mamba3(D_MODEL, d_state=8, headdim=8, backend="reference")
     u = torch.randn(1, 4, D_MODEL)
-    for block in (m2, m3):
-        with pytest.raises(NotImplementedError, match="seq_idx"):
-            block(u, seq_idx=torch.zeros(1, 4, dtype=torch.int32))
-        with pytest.raises(NotImplementedError, match="cu_seqlens"):
-            block(u, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="seq_idx"):
+        m3(u, seq_idx=torch.zeros(1, 4, dtype=torch.int32))
+    with pytest.raises(NotImplementedError, match="cu_seqlens"):
+        m3(u, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
+    # Mamba2 takes packed sequences (tests/test_ssd_varlen.py) and names bad ones
+    with pytest.raises(ValueError, match="seq_idx"):
+        m2(u, seq_idx=torch.zeros(1, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m2(u, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
     for block in (Mamba1(D_MODEL), m2, m3):
         with pytest.raises(ValueError, match="layer_idx"):
             block(u, inference_params=InferenceParams(max_seqlen=8, max_batch_size=1))

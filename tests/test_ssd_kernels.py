@@ -378,10 +378,10 @@ def test_positional_call_binds_as_mamba_ssm_s():
     assert_close(final, want_final, "final_states")
 
 
-@pytest.mark.parametrize("name, value", [("seq_idx", "tensor"), ("cu_seqlens", "tensor"),
-                                         ("return_varlen_states", True)])
+@pytest.mark.parametrize("name, value", [("seq_idx", "decreasing"), ("return_varlen_states", True)])
 @pytest.mark.parametrize("op", ["ssd_chunk_scan", "ssd_chunk_scan_forward"])
-def test_packed_sequences_are_named_as_not_supported(op, name, value, monkeypatch):
+def test_bad_packed_sequences_are_named_before_any_launch(op, name, value, monkeypatch):
+    """Packed sequences are supported (tests/test_ssd_varlen.py); a bad one is named before any launch."""
     from mambalab import ops
 
     def no_launch(*a, **k):
@@ -389,11 +389,9 @@ def test_packed_sequences_are_named_as_not_supported(op, name, value, monkeypatc
 
     monkeypatch.setattr(kernels, "ssd_chunk_scan_fwd", no_launch)
     inp = make_inputs(1, 16, 2, 4, 1, 4)
-    if value == "tensor":
-        value = (torch.zeros(1, 16, dtype=torch.int32) if name == "seq_idx" else
-                 torch.tensor([0, 8, 16], dtype=torch.int32)).to(KERNEL_DEVICE)
-    with pytest.raises(NotImplementedError, match=f"{name}=.*packed sequences .* not supported by mambalab's "
-                                                  "SSD kernels"):
+    if value == "decreasing":
+        value = torch.tensor([[1] * 8 + [0] * 8], dtype=torch.int32).to(KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=name):
         getattr(ops, op)(*(inp[k] for k in NAMES[:5]), 16, **{name: value})
 
 

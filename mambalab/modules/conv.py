@@ -5,6 +5,11 @@ Over a whole sequence this is ``nn.Conv1d(groups=channels, padding=d_conv-1)`` w
 dropped; when decoding, a window ``conv_state`` (b, channels, d_conv) of the last inputs (oldest first)
 replaces the sequence. The two functions here give the same outputs, which is what the blocks' step tests
 check.
+
+Packed sequences (``seq_idx`` (b, l), each position's sequence, nondecreasing): the window never reaches into
+the previous sequence, y_t[c] = silu(bias[c] + Σ_k [seq_{t-d_conv+1+k} = seq_t] w[c, k] x_{t-d_conv+1+k}[c]),
+so each sequence is filtered as if it stood alone (zeros before its first position).
+:func:`varlen_conv_states` gives each packed sequence's decoding window.
 """
 from __future__ import annotations
 
@@ -20,19 +25,46 @@ def new_conv_state(conv1d: nn.Conv1d, batch_size: int, dtype: torch.dtype | None
                        dtype=dtype or weight.dtype)
 
 
-def causal_conv1d(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None = None) -> torch.Tensor:
+def causal_conv1d(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor | None = None,
+                  seq_idx: torch.Tensor | None = None) -> torch.Tensor:
     """silu(causal conv) over a sequence: x (b, channels, l) -> (b, channels, l).
 
     If ``conv_state`` (b, channels, d_conv) is given, it is filled with the last d_conv inputs (zero-padded
-    on the left when l < d_conv), so :func:`causal_conv1d_step` can continue from there. l = 0 gives an
-    empty output and a zeroed window.
+    on the left when l < d_conv; with ``seq_idx``, those of the row's last sequence only), so
+    :func:`causal_conv1d_step` can continue from there. l = 0 gives an empty output and a zeroed window.
+    ``seq_idx`` (b, l): packed sequences (module docstring); the window is then a sum of d_conv shifted,
+    masked copies of x rather than nn.Conv1d.
     """
     l, width = x.shape[-1], conv1d.kernel_size[0]
+    if seq_idx is not None and tuple(seq_idx.shape) != (x.shape[0], l):
+        raise ValueError(f"seq_idx must have shape (b, l) = ({x.shape[0]}, {l}); got {tuple(seq_idx.shape)}")
     if conv_state is not None:
-        conv_state.copy_(F.pad(x, (max(width - l, 0), 0))[..., -width:])
+        window = x if seq_idx is None or l == 0 else x * (seq_idx == seq_idx[:, -1:])[:, None].to(x.dtype)
+        conv_state.copy_(F.pad(window, (max(width - l, 0), 0))[..., -width:])
     if l == 0:  # nothing to filter (and conv1d refuses an empty length)
         return x.new_empty(x.shape)
-    return F.silu(conv1d(x)[..., :l])  # drop the outputs that peek ahead
+    if seq_idx is None:
+        return F.silu(conv1d(x)[..., :l])  # drop the outputs that peek ahead
+    xp = F.pad(x, (width - 1, 0))                                           # (b, channels, width - 1 + l)
+    sp = F.pad(seq_idx, (width - 1, 0), value=-1)                           # the padding: zeros in xp anyway
+    weight = conv1d.weight[:, 0]                                            # (channels, width)
+    y = torch.zeros_like(x) if conv1d.bias is None else conv1d.bias[:, None].expand_as(x).to(x.dtype)
+    for k in range(width):   # tap k reads x_{t - (width - 1 - k)}, if it is of t's sequence
+        same = (sp[:, k:k + l] == seq_idx)[:, None]                         # (b, 1, l)
+        y = y + weight[:, k, None] * torch.where(same, xp[..., k:k + l], 0.0)
+    return F.silu(y)
+
+
+def varlen_conv_states(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:
+    """Each packed sequence's decoding window: x (1, channels, l) with sequence i at positions
+    cu_seqlens[i] … cu_seqlens[i + 1] - 1 -> (num_seqs, channels, width), the last ``width`` inputs of each
+    sequence, zero-padded on the left when it is shorter (what :func:`causal_conv1d` leaves in ``conv_state``
+    for a sequence alone)."""
+    start, end = cu_seqlens[:-1].long(), cu_seqlens[1:].long()              # (num_seqs,)
+    at = end[:, None] - width + torch.arange(width, device=x.device)        # (num_seqs, width)
+    mine = at >= start[:, None]
+    windows = x[0][:, at.clamp(min=0)]                                      # (channels, num_seqs, width)
+    return (windows * mine.to(x.dtype)).transpose(0, 1)                    # (num_seqs, channels, width)
 
 
 def causal_conv1d_step(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:

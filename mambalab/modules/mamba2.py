@@ -36,6 +36,12 @@ keeps this layer's ``(conv_state, ssm_state)`` in ``p.key_value_memory_dict[laye
 use), fills them from the prompt when ``p.seqlen_offset == 0`` and takes one :meth:`step` per call after
 that. mambalab's own form is ``forward(u, cache=(conv_state, ssm_state))``.
 
+Packed sequences (mamba-ssm's ``seq_idx`` and ``cu_seqlens``): several sequences laid end to end in one row,
+``seq_idx`` (b, l) marking each position's sequence, reach the convolution (whose window stops at the start of
+its sequence) and the SSD (whose state restarts there), so each sequence's outputs are those it has alone.
+With ``cu_seqlens`` (b = 1) seq_idx defaults to the one it implies, and a prefill with ``inference_params`` or
+``cache`` keeps one decoding state per sequence (num_seqs rows), as mamba-ssm's varlen prefill does.
+
 The Triton kernels take fp32, fp16 and bf16; a float64 block (``.double()``, the tests' oracle precision)
 runs the pure-PyTorch reference SSD whatever ``scan`` says.
 """
@@ -48,10 +54,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import validate
-from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
+from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state, varlen_conv_states
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
-from mambalab.ref.ssd import ssd_chunked, ssd_ref, ssd_step
+from mambalab.ref.ssd import ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
 from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba2"]
@@ -229,43 +235,50 @@ class Mamba2(nn.Module):
 
         seqlen: mamba-ssm's flattened form (rows of u are b sequences of ``seqlen`` positions, one after the
             other), which sequence-parallel callers use.
-        seq_idx, cu_seqlens: packed variable-length sequences; not implemented (must be None).
+        seq_idx: (b, l) int32, nondecreasing along l: packed sequences (module docstring); the conv window and
+            the SSD state restart wherever it changes.
+        cu_seqlens: (num_seqs + 1,) integers, 0 first, strictly increasing, l last (b = 1): sequence i is
+            positions cu_seqlens[i] … cu_seqlens[i + 1] - 1. Without seq_idx it implies it. With
+            ``inference_params`` or ``cache`` the states kept are per sequence: (num_seqs, ...).
         inference_params: mamba-ssm's ``InferenceParams`` (see the module docstring): this layer's states
             live in its ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the whole prompt runs
             and fills them, after that each call is one :meth:`step` (l = 1).
         cache: mambalab's form, keyword-only: ``(conv_state, ssm_state)`` from :meth:`allocate_inference_cache`,
             overwritten with the states after the last position (a prefill), so :meth:`step` can continue.
         """
-        for name, value in (("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
-            if value is not None:
-                raise NotImplementedError(f"{name}: packed variable-length sequences are not implemented in "
-                                          f"mambalab's Mamba2 yet; pass {name}=None")
         if seqlen is not None:
             if u.dim() != 2 or u.shape[-1] != self.d_model or seqlen < 1 or u.shape[0] % seqlen:
                 raise ValueError(f"with seqlen = {seqlen}, u must have shape (b · seqlen, d_model={self.d_model}); "
                                  f"got {tuple(u.shape)}")
-            return self.forward(u.unflatten(0, (-1, seqlen)), inference_params=inference_params,
-                                cache=cache).flatten(0, 1)
+            return self.forward(u.unflatten(0, (-1, seqlen)), seq_idx=seq_idx, cu_seqlens=cu_seqlens,
+                                inference_params=inference_params, cache=cache).flatten(0, 1)
         if u.dim() != 3 or u.shape[-1] != self.d_model:
             raise ValueError(f"u must have shape (b, l, d_model={self.d_model}); got {tuple(u.shape)}")
         if inference_params is not None:
             if cache is not None:
                 raise ValueError("pass either inference_params or cache, not both")
-            cache = self._get_states_from_cache(inference_params, u.shape[0])
-            if inference_params.seqlen_offset > 0:
+            rows = cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, torch.Tensor) else u.shape[0]
+            cache = self._get_states_from_cache(inference_params, rows)
+            if inference_params.seqlen_offset > 0:   # one token per sequence: (num_seqs, 1, d_model)
                 return self.step(u, *cache)[0]
+        seq_idx = self._packed(u, seq_idx, cu_seqlens)
 
         z0, x0, z, xBC, dt = self.in_proj(u).split(self.split_sizes(), dim=-1)  # (b, l, ·) each, see split_sizes
         xBC = xBC.transpose(1, 2)                                           # (b, conv_dim, l): channels first
-        xBC = causal_conv1d(self.conv1d, xBC, cache[0] if cache is not None else None)
+        if cache is not None and cu_seqlens is not None:                    # one window per sequence
+            cache[0].copy_(varlen_conv_states(xBC, cu_seqlens, self.d_conv))
+            xBC = causal_conv1d(self.conv1d, xBC, seq_idx=seq_idx)
+        else:
+            xBC = causal_conv1d(self.conv1d, xBC, cache[0] if cache is not None else None, seq_idx=seq_idx)
         xBC = xBC.transpose(1, 2)                                           # (b, l, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b,l,h,p), (b,l,g,n), (b,l,g,n)
         A = -torch.exp(self.A_log.float())                                  # (h,)
 
         gate_in_scan = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
-        y = self._scan(x, dt, A, B, C, gate_in_scan, return_final_states=cache is not None)
+        y = self._scan(x, dt, A, B, C, gate_in_scan, return_final_states=cache is not None, seq_idx=seq_idx,
+                       cu_seqlens=cu_seqlens)
         if cache is not None:
-            y, final_state = y                                              # (b, l, h, p), (b, h, p, n)
+            y, final_state = y                                 # (b, l, h, p), (b or num_seqs, h, p, n)
             cache[1].copy_(final_state)
         y = y.flatten(-2)                                                   # (b, l, d_ssm)
         if self.rmsnorm:
@@ -274,29 +287,65 @@ class Mamba2(nn.Module):
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)                     # (b, l, d_inner)
         return self.out_proj(y)                                             # (b, l, d_model)
 
-    def _scan(self, x, dt, A, B, C, z, return_final_states: bool):
+    def _packed(self, u, seq_idx, cu_seqlens):
+        """The packed-sequence arguments, checked: returns seq_idx (b, l) int32, or None; derived from cu_seqlens
+        when only that is given."""
+        b, l = u.shape[0], u.shape[1]
+        if seq_idx is not None:
+            validate.index_tensor("seq_idx", seq_idx)
+            validate.shape("seq_idx", seq_idx, (b, l), "(b, l), like u's first two")
+            seq_idx = seq_idx.to(device=u.device, dtype=torch.int32)
+        if cu_seqlens is None:
+            return seq_idx
+        validate.index_tensor("cu_seqlens", cu_seqlens)
+        if b != 1:
+            raise ValueError(f"cu_seqlens needs the sequences packed into one row, b = 1 (u.shape[0]); got b = {b}")
+        bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
+        if (bounds is None or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != l
+                or any(e <= s for s, e in zip(bounds, bounds[1:]))):
+            raise ValueError(f"cu_seqlens must be (num_seqs + 1,) from 0 to l = {l}, strictly increasing; got "
+                             f"{bounds if bounds is not None else tuple(cu_seqlens.shape)}")
+        if seq_idx is None:
+            lengths = torch.tensor([e - s for s, e in zip(bounds, bounds[1:])], device=u.device)
+            seq_idx = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=u.device, dtype=torch.int32),
+                                              lengths)[None]                  # (1, l)
+        return seq_idx
+
+    def _scan(self, x, dt, A, B, C, z, return_final_states: bool, seq_idx=None, cu_seqlens=None):
         """SSD over the sequence with this block's D, dt_bias, dt_limit and chunk size: the kernel op, or the
         fp32 reference for ``scan="reference"``; float64 inputs (which the kernels do not take) run the
-        chunked SSD in float64."""
+        reference forms in float64. With ``cu_seqlens`` and ``return_final_states`` the state returned is
+        each sequence's final state (num_seqs, h, p, n)."""
         b, l, h, p = x.shape
         if l == 0:  # an empty sequence: empty output, and the state stays the initial (zero) state
             y = x.new_zeros(b, 0, h, p)
             state = torch.zeros(b, h, p, self.d_state, device=x.device, dtype=torch.promote_types(x.dtype, torch.float32))
             return (y, state) if return_final_states else y
+        varlen = cu_seqlens is not None and return_final_states
         if x.dtype == torch.float64:
-            return self._scan_float64(x, dt, B, C, z, return_final_states)
+            return self._scan_float64(x, dt, B, C, z, return_final_states, seq_idx, cu_seqlens if varlen else None)
         common = dict(chunk_size=self.chunk_size, D=self._skip().float(), z=z, dt_bias=self.dt_bias.float(),
-                      dt_softplus=True, dt_limit=self.dt_limit, return_final_states=return_final_states)
+                      dt_softplus=True, dt_limit=self.dt_limit, return_final_states=return_final_states and not varlen,
+                      seq_idx=seq_idx, cu_seqlens=cu_seqlens, return_varlen_states=varlen)
         if self.scan == "kernel":
             return ssd_chunk_scan(x, dt, A, B, C, reduction=self.reduction, **common)
-        return ssd_ref(x, dt, A, B, C, method="chunked", **common)
+        method = "chunked" if seq_idx is None else "recurrent" if varlen else "quadratic"
+        return ssd_ref(x, dt, A, B, C, method=method, **common)
 
-    def _scan_float64(self, x, dt, B, C, z, return_final_states: bool):
+    def _scan_float64(self, x, dt, B, C, z, return_final_states: bool, seq_idx=None, cu_seqlens=None):
         """The SSD of :meth:`_scan` in float64 throughout: y = ssd_chunked(x, Δ, A, B, C) + D x, gated by
-        silu(z) when z is given, with Δ = clamp(softplus(dt + dt_bias), *dt_limit)."""
+        silu(z) when z is given, with Δ = clamp(softplus(dt + dt_bias), *dt_limit); with ``seq_idx`` the
+        quadratic form (the recurrent one for ``cu_seqlens``'s per-sequence states)."""
         f64 = torch.float64
         delta = F.softplus(dt.to(f64) + self.dt_bias.to(f64)).clamp(*self.dt_limit)      # (b, l, h)
-        y, final = ssd_chunked(x, delta, -torch.exp(self.A_log.to(f64)), B.to(f64), C.to(f64), self.chunk_size)
+        args = (x, delta, -torch.exp(self.A_log.to(f64)), B.to(f64), C.to(f64))
+        if cu_seqlens is not None:
+            y, _, final = ssd_recurrent(*args, seq_idx=seq_idx, states_at=[int(e) - 1 for e in cu_seqlens[1:]])
+            final = final[:, 0]                                                           # (num_seqs, h, p, n)
+        elif seq_idx is not None:
+            y, final = ssd_quadratic(*args, seq_idx=seq_idx)
+        else:
+            y, final = ssd_chunked(*args, self.chunk_size)
         D = self._skip().to(f64)
         y = y + x * (D if self.D_has_hdim else D[:, None])                                # (b, l, h, p)
         if z is not None:

@@ -1,13 +1,17 @@
 """Mamba-2's SSD (chunked scan) on Triton kernels.
 
 * :func:`ssd_chunk_scan`: forward and backward (an autograd.Function), drop-in for mamba-ssm's
-  ``mamba_chunk_scan_combined`` (its arguments in its order; packed sequences, ``seq_idx`` / ``cu_seqlens`` /
-  ``return_varlen_states``, raise NotImplementedError unless left at their defaults); gradients reach
-  x, dt, A, B, C, D, z, dt_bias and initial_states, from out and (when returned) from final_states. Sums over
-  programs in the backward go through ``reduction``: "atomic" or "deterministic" (see
-  :mod:`mambalab.kernels.ssd.backward`).
+  ``mamba_chunk_scan_combined`` (its arguments in its order, packed sequences included: ``seq_idx``,
+  ``cu_seqlens`` with ``return_varlen_states``); gradients reach x, dt, A, B, C, D, z, dt_bias and
+  initial_states, from out and (when returned) from final_states. Sums over programs in the backward go
+  through ``reduction``: "atomic" or "deterministic" (see :mod:`mambalab.kernels.ssd.backward`).
 * :func:`ssd_chunk_scan_forward`: the forward alone; it raises NotImplementedError rather than returning
   outputs without a graph when autograd is recording.
+
+Packed sequences: several sequences laid end to end along l, ``seq_idx`` (b, l) giving each position's
+sequence (nondecreasing); the state restarts at every change, so each sequence's outputs are those it would
+have alone (:mod:`mambalab.kernels.ssd.packed` has the masks). ``return_varlen_states`` with ``cu_seqlens``
+(num_seqs + 1,) also returns each sequence's final state (b = 1).
 """
 from __future__ import annotations
 
@@ -23,22 +27,52 @@ from mambalab.kernels import ssd as _kernels
 MIN_CHUNK_SIZE = 16  # tl.dot wants blocks of at least 16
 
 
-PACKED = ("seq_idx", "cu_seqlens", "return_varlen_states")   # mamba-ssm's arguments for packed sequences
+def _check_packed(x, seq_idx, cu_seqlens, return_varlen_states):
+    """mamba-ssm's packed-sequence arguments, checked before any launch (x already checked). Returns
+    (seq_idx as the kernels take it, (b, l) int32 contiguous, or None; cu_seqlens, or None when no varlen states
+    are asked for; the checks still to run just before the launch, a list).
+
+    seq_idx: (b, l) int32 or int64 on x's device, nondecreasing along l (checked on the device, read back just
+    before the launch). cu_seqlens matters only with ``return_varlen_states`` (as in mamba-ssm): then it is
+    (num_seqs + 1,) int32 or int64 on x's device, 0 first, strictly increasing, at most l last (read back now:
+    it is small), b must be 1, and seq_idx must mark the sequences unless there is only one.
+    """
+    b, l = x.shape[0], x.shape[1]
+    checks = []
+    if seq_idx is not None:
+        validate.index_tensor("seq_idx", seq_idx)
+        validate.shape("seq_idx", seq_idx, (b, l), "(b, l), like x's first two")
+        if seq_idx.device != x.device:
+            raise ValueError(f"seq_idx is on {seq_idx.device} but x is on {x.device}; all inputs must be on the "
+                             "same device")
+        checks.append(validate.Nondecreasing("seq_idx", seq_idx))
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    if not return_varlen_states:
+        return seq_idx, None, checks
+    if cu_seqlens is None:
+        raise ValueError("return_varlen_states=True needs cu_seqlens (num_seqs + 1,): where each sequence starts, "
+                         "then where the last one ends")
+    if b != 1:
+        raise ValueError(f"return_varlen_states=True needs the sequences packed into one batch row, b = 1 "
+                         f"(x.shape[0]); got b = {b}")
+    validate.index_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1; got "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {x.device}; all inputs must be on "
+                         "the same device")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or any(e <= s for s, e in zip(bounds, bounds[1:])) or bounds[-1] > l:
+        raise ValueError(f"cu_seqlens must start at 0, increase strictly (every sequence at least one position) "
+                         f"and end at most at l = {l}; got {bounds}")
+    if seq_idx is None and len(bounds) > 2:
+        raise ValueError(f"cu_seqlens holds {len(bounds) - 1} sequences but seq_idx is None: pass seq_idx (1, l) "
+                         "marking them, or the scan runs them as one sequence")
+    return seq_idx, cu_seqlens.contiguous(), checks
 
 
-def _check_packed(seq_idx, cu_seqlens, return_varlen_states):
-    """mamba-ssm's packed-sequence arguments: accepted at their defaults (None, None, False), as mamba-ssm's own
-    Mamba2 passes them; any other value raises NotImplementedError naming the argument."""
-    for name, value, default in zip(PACKED, (seq_idx, cu_seqlens, bool(return_varlen_states)), (None, None, False)):
-        if value is not default:
-            raise NotImplementedError(
-                f"{name}={'a tensor' if isinstance(value, torch.Tensor) else repr(value)}: packed sequences "
-                f"(seq_idx, cu_seqlens, return_varlen_states) are not supported by mambalab's SSD kernels yet; "
-                f"pass {name}={default!r} and run each sequence as its own batch row (or call after call, "
-                "carrying initial_states)")
-
-
-def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward):
+def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward, num_seqs=0):
     """The kernels' launch grids and 32-bit offsets (read from the launchers in :mod:`mambalab.kernels.ssd` and
     :func:`mambalab.kernels.reduce.sum_partials`), checked before any launch; ``backward``: the backward's too.
 
@@ -48,7 +82,7 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward):
     sums over its programs, 32 partials a program on grid axis 1 (dA and d dt_bias: b · c; dD: b · c · q /
     BLOCK_T'; dB, dC: h / g). Offsets: the kernels count positions (b · l), chunk rows (b · h · c of q),
     state rows (b · c · h · p of n) and dD's partials (h · b · c · q / BLOCK_T') in 32-bit integers before
-    widening.
+    widening. ``num_seqs`` > 0: the per-sequence final states too, (num_seqs, h · p / BLOCK_P).
     """
     cfg = _kernels.tile_config(h, p, n, chunk_size, _device.compute_dtype(dtype, device))
     cdiv = lambda a, m: -(-a // m)
@@ -62,6 +96,9 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward):
     grid("the SSD state passing", (b, h, cdiv(p * n, cfg.block_pn)), (bsz, hsz, ("p · n", p * n)), split_h)
     grid("the SSD chunk scan", (b, c, h * (chunk_size // cfg.block_t) * cdiv(p, cfg.block_p)), (bsz, csz, hsz),
          split_h)
+    if num_seqs:
+        grid("the SSD varlen states", (num_seqs, h * cdiv(p, cfg.block_p)), (("num_seqs", num_seqs), hsz),
+             split_h)
     count = validate.int32_offsets
     split_b = ": split the batch"
     count(f"the positions (b, l) = ({b}, {l})", b * l, bsz, split_b)
@@ -82,10 +119,12 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward):
           h * b * c * (chunk_size // bt), bsz, split_b)
 
 
-def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, *, backward):
-    """Validate at the boundary. Raises TypeError/ValueError naming the argument; returns the check that dt is
-    finite, queued on its device (:class:`mambalab.validate.Finite`: the caller waits for it just before the
-    kernels launch). ``backward``: check the backward's limits too."""
+def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, seq_idx=None, cu_seqlens=None,
+           return_varlen_states=False, *, backward):
+    """Validate at the boundary. Raises TypeError/ValueError naming the argument; returns (seq_idx and cu_seqlens
+    as the kernels take them, see :func:`_check_packed`; the checks queued on the device, that dt is finite
+    (:class:`mambalab.validate.Finite`) and seq_idx nondecreasing, for the caller to run just before the kernels
+    launch). ``backward``: check the backward's limits too."""
     for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)):
         validate.tensor(name, t)
     for name, t in (("D", D), ("z", z), ("dt_bias", dt_bias), ("initial_states", initial_states)):
@@ -127,8 +166,22 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, 
     dev = validate.same_device(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                                initial_states=initial_states)
     _device.ensure_kernel_device(dev)
-    check_kernel_limits(b, l, h, p, n, g, chunk_size, x.dtype, dev, backward)
-    return validate.Finite("dt", dt)
+    seq_idx, cu_seqlens, checks = _check_packed(x, seq_idx, cu_seqlens, return_varlen_states)
+    check_kernel_limits(b, l, h, p, n, g, chunk_size, x.dtype, dev, backward,
+                        num_seqs=cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0)
+    return seq_idx, cu_seqlens, [validate.Finite("dt", dt), *checks]
+
+
+def _varlen_states(res, x_, B_, seq_idx, cu_seqlens):
+    """Each packed sequence's final state from the forward's results, (num_seqs, h, p, n) fp32."""
+    return _kernels.varlen_states_fwd(x_, B_, res.delta, res.dA_cumsum, res.entering_states, seq_idx, cu_seqlens,
+                                      res.tiles, _device.dot_precision(x_.dtype, x_.device))
+
+
+def _results(out, final, varlen, return_final_states):
+    """mamba-ssm's return order: out, then final_states if asked for, then varlen_states if asked for."""
+    results = (out,) + ((final,) if return_final_states else ()) + ((varlen,) if varlen is not None else ())
+    return results if len(results) > 1 else out
 
 
 def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
@@ -147,38 +200,45 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
         A: (h,) decay rates (negative).  B, C: (b, l, g, n), g dividing h (head i reads group i // (h // g)).
         chunk_size: q, a power of two >= 16; any l works (the last chunk is padded inside).
         D: optional (h,) or (h, p) skip.  z: optional (b, l, h, p) gate.  dt_bias: optional (h,).
-        initial_states: optional (b, h, p, n) state before the first step.
-        seq_idx, cu_seqlens, return_varlen_states: mamba-ssm's packed sequences; only their defaults (None,
-            None, False) are accepted.
+        initial_states: optional (b, h, p, n) state before the first step (with seq_idx: before the first
+            step of the sequence numbered 0, as in mamba-ssm).
+        seq_idx: optional (b, l) int32 (or int64), nondecreasing along l: the sequence of each position of
+            sequences packed end to end; the state restarts from zero wherever it changes.
+        cu_seqlens: (num_seqs + 1,) integers, 0 first, strictly increasing: sequence i's positions are
+            cu_seqlens[i] … cu_seqlens[i + 1] - 1. Read only with ``return_varlen_states``.
+        return_varlen_states: also return each sequence's final state, the state after its last position,
+            (num_seqs, h, p, n) fp32 (needs cu_seqlens, b = 1, and seq_idx unless num_seqs = 1).
         dt_softplus: apply softplus to dt + dt_bias.  dt_limit: (min, max) clamp of Δ.
         return_final_states: also return the state after the last step, (b, h, p, n) fp32.
 
     The arguments are mamba-ssm's, in its order and with its defaults, so positional calls bind alike.
 
     Returns:
-        out (b, l, h, p) in x's dtype, or (out, final_states).
+        out (b, l, h, p) in x's dtype; or a tuple, mamba-ssm's order: (out, final_states),
+        (out, varlen_states) or (out, final_states, varlen_states).
 
     Raises:
         TypeError / ValueError naming the argument, before any launch: wrong types, dtypes, shapes, devices or
             values (NaN or infinity in dt); sizes beyond the kernels' launch grids (h at most 65,535 heads:
             CUDA's cap on grid axes 1 and 2; fewer for large p or q) or their 32-bit offsets.
-        NotImplementedError: for ``seq_idx``, ``cu_seqlens`` or ``return_varlen_states`` other than their
-            defaults; or if an input requires grad while autograd is recording (this entry point is forward
+        NotImplementedError: if an input requires grad while autograd is recording (this entry point is forward
             only; :func:`ssd_chunk_scan` has the backward).
     """
-    _check_packed(seq_idx, cu_seqlens, return_varlen_states)
-    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, backward=False)
+    seq_idx, cu_seqlens, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit,
+                                         seq_idx, cu_seqlens, return_varlen_states, backward=False)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         raise NotImplementedError(
             "ssd_chunk_scan_forward records no autograd graph, and an input requires grad: use "
             "mambalab.ops.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
     x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
-    dt_finite.check()   # the last moment before the launch
+    for check in checks:   # the last moment before the launch
+        check.check()
     res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
-                                      bool(dt_softplus), tuple(float(v) for v in dt_limit))
+                                      bool(dt_softplus), tuple(float(v) for v in dt_limit), seq_idx=seq_idx)
     out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
-    return (out, res.final_states) if return_final_states else out
+    varlen = _varlen_states(res, x_, B_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
+    return _results(out, res.final_states, varlen, return_final_states)
 
 
 def _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states):
@@ -197,39 +257,45 @@ def _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states):
 
 
 class SSDChunkScanFn(torch.autograd.Function):
-    """Forward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_fwd`, saving Δ, cs and the entering states.
-    Backward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_bwd` from d out and d final_states."""
+    """Forward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_fwd`, saving Δ, cs and the entering states, and with
+    ``cu_seqlens`` the per-sequence final states (no gradient flows from those; mamba-ssm's backward refuses
+    them altogether). Backward: :func:`mambalab.kernels.ssd.ssd_chunk_scan_bwd` from d out and d final_states."""
 
     @staticmethod
     def forward(ctx, x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, dt_softplus, dt_limit, reduction,
-                dt_finite):
+                checks, seq_idx, cu_seqlens):
         x_, dt_, A_, B_, C_, D_, z_, bias_, init_ = _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
-        dt_finite.check()   # the last moment before the launch
+        for check in checks:   # the last moment before the launch
+            check.check()
         res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_, dt_softplus,
-                                          dt_limit)
+                                          dt_limit, seq_idx=seq_idx)
+        varlen = _varlen_states(res, x_, B_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
+        if varlen is not None:
+            ctx.mark_non_differentiable(varlen)
         # the backward needs Δ, cs and the entering states; not the chunk states (step 1's own output)
-        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, res.delta, res.dA_cumsum, res.entering_states)
+        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, res.delta, res.dA_cumsum, res.entering_states,
+                              seq_idx)
         ctx.tiles, ctx.has_init = res.tiles, initial_states is not None
         ctx.dt_softplus, ctx.dt_limit, ctx.reduction = dt_softplus, dt_limit, reduction
         ctx.dtypes = [t.dtype if t is not None else None for t in (x, dt, A, B, C, D, z, dt_bias, initial_states)]
         ctx.set_materialize_grads(False)
         out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
-        return out, res.final_states
+        return out, res.final_states, varlen
 
     @staticmethod
-    def backward(ctx, dout, dfinal):
-        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, entering = ctx.saved_tensors
+    def backward(ctx, dout, dfinal, dvarlen):
+        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, entering, seq_idx = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(x_)
         dout = dout.to(x_.dtype).contiguous()
         dfinal = dfinal.float().contiguous() if dfinal is not None else None
         fwd = _kernels.SSDForward(None, None, delta, cs, None, entering, ctx.tiles)
         g = _kernels.ssd_chunk_scan_bwd(dout, dfinal, fwd, x_, dt_, A_, B_, C_, D_, z_, bias_, ctx.has_init,
-                                        ctx.dt_softplus, ctx.dt_limit, ctx.reduction)
+                                        ctx.dt_softplus, ctx.dt_limit, ctx.reduction, seq_idx=seq_idx)
         grads = (g.dx, g.ddt, g.dA, g.dB, g.dC, g.dD, g.dz, g.ddt_bias, g.dinitial_states)
         grads = [None if gr is None or not need else gr.to(dt)
                  for gr, dt, need in zip(grads, ctx.dtypes, ctx.needs_input_grad)]
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, seq_idx=None,
@@ -251,13 +317,16 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
             every run and machine, and per-row gradients independent of the batch). None: the determinism
             switch decides (:func:`mambalab.determinism.resolve_reduction`; "deterministic" unless switched off).
 
-    Returns out (b, l, h, p) in x's dtype, or (out, final_states (b, h, p, n) fp32); gradients flow from both.
+    Returns out (b, l, h, p) in x's dtype, or a tuple in mamba-ssm's order: (out, final_states (b, h, p, n)
+    fp32), (out, varlen_states (num_seqs, h, p, n) fp32) or (out, final_states, varlen_states). Gradients flow
+    from out and final_states; varlen_states carry none (mamba-ssm's backward refuses them).
     """
-    _check_packed(seq_idx, cu_seqlens, return_varlen_states)
     reduction = resolve_reduction(reduction)   # None: the determinism switch's mode (default "deterministic")
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-    dt_finite = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, backward=backward)
-    out, final = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size, bool(dt_softplus),
-                                      tuple(float(v) for v in dt_limit), reduction, dt_finite)
-    return (out, final) if return_final_states else out
+    seq_idx, cu_seqlens, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit,
+                                         seq_idx, cu_seqlens, return_varlen_states, backward=backward)
+    out, final, varlen = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size,
+                                              bool(dt_softplus), tuple(float(v) for v in dt_limit), reduction, checks,
+                                              seq_idx, cu_seqlens)
+    return _results(out, final, varlen, return_final_states)

@@ -29,6 +29,14 @@ and the final state:
                                        (the off-diagonal blocks, in factored form)
   Y = (1) + (4).
 
+Packed sequences (mamba-ssm's ``seq_idx`` (b, l), nondecreasing along l): the state restarts from zero
+wherever seq_idx changes, so nothing of one sequence reaches the next; ``initial_states`` is the state before
+the sequence numbered 0 (before position 0 if seq_idx[0] = 0, and of no sequence otherwise). The recurrent
+form resets s at each change; the quadratic form masks L to the blocks of one sequence, L[t, j] = 0 unless
+seq_t = seq_j, and the initial state's term to the positions of sequence 0. :func:`ssd_ref` takes seq_idx with
+those two forms, and ``cu_seqlens`` / ``return_varlen_states`` for the state after each sequence's last
+position.
+
 Sums of a_k that go into an exp are segment sums (:func:`segsum`), never differences of one long cumsum:
 :func:`segsum_naive` shows what goes wrong otherwise.
 
@@ -40,6 +48,7 @@ Shapes (mamba-ssm's layout for ``mamba_chunk_scan_combined``, sequence first):
     D               : (h,) or (h, p)
     dt_bias         : (h,)
     initial_states  : (b, h, p, n)
+    seq_idx         : (b, l) integers;  cu_seqlens: (num_seqs + 1,) integers (b = 1)
     out             : (b, l, h, p) in x's dtype; final_states (b, h, p, n) in fp32
 Inside the chunked form, with q the chunk size and c = ceil(l / q): chunked tensors are (b, c, q, ...), i.e.
 the sequence axis l becomes the two axes (c, q).
@@ -139,40 +148,57 @@ def ssd_step(state, x_t, dt_t, A, B_t, C_t):
     return state, y_t
 
 
-def ssd_recurrent(x, dt, A, B, C, initial_states=None):
+def ssd_recurrent(x, dt, A, B, C, initial_states=None, seq_idx=None, states_at=None):
     """The recurrence, one step after another: l sequential steps. No D, no z.
 
     x: (b, l, h, p); dt: (b, l, h) (Δ, already processed); A: (h,); B, C: (b, l, g, n);
-    initial_states: (b, h, p, n) or None (zeros) -> (y (b, l, h, p), final state (b, h, p, n)).
+    initial_states: (b, h, p, n) or None (zeros); seq_idx: (b, l) or None, the state reset to zero before every
+    position whose sequence differs from the previous one's (the one before position 0 counts as sequence 0)
+    -> (y (b, l, h, p), final state (b, h, p, n)). With ``states_at`` (a list of positions) a third result:
+    the states after those positions, (len(states_at), b, h, p, n).
     """
     b, l, h, p = x.shape
     n = B.shape[-1]
     state = x.new_zeros(b, h, p, n) if initial_states is None else initial_states
+    kept = {}
     ys = []
     for t in range(l):
+        if seq_idx is not None:
+            before = seq_idx[:, t - 1] if t > 0 else torch.zeros_like(seq_idx[:, 0])
+            state = torch.where((seq_idx[:, t] == before)[:, None, None, None], state, torch.zeros_like(state))
         state, y_t = ssd_step(state, x[:, t], dt[:, t], A, B[:, t], C[:, t])
         ys.append(y_t)
-    return torch.stack(ys, dim=1), state                                      # (b, l, h, p), (b, h, p, n)
+        kept[t] = state
+    y = torch.stack(ys, dim=1)                                                # (b, l, h, p)
+    if states_at is None:
+        return y, state
+    return y, state, torch.stack([kept[int(t)] for t in states_at])          # (k, b, h, p, n)
 
 
 # ---------------------------------------------------------------------------------------------- quadratic form
-def ssd_quadratic(x, dt, A, B, C, initial_states=None):
+def ssd_quadratic(x, dt, A, B, C, initial_states=None, seq_idx=None):
     """The matrix ("attention") form Y = (L ∘ C Bᵀ)(Δ ⊙ X): O(l²) work, no sequential steps. No D, no z.
 
-    Same arguments and results as :func:`ssd_recurrent`. The final state is the one row of L it needs:
-    s_{l-1} = Σ_j L[l-1, j] Δ_j x_j B_jᵀ. An initial state s_{-1} adds exp(a_0 + … + a_t) C_t · s_{-1} to
-    output t and exp(a_0 + … + a_{l-1}) s_{-1} to the final state.
+    Same arguments and results as :func:`ssd_recurrent` (without ``states_at``). The final state is the one row
+    of L it needs: s_{l-1} = Σ_j L[l-1, j] Δ_j x_j B_jᵀ. An initial state s_{-1} adds exp(a_0 + … + a_t)
+    C_t · s_{-1} to output t and exp(a_0 + … + a_{l-1}) s_{-1} to the final state. With ``seq_idx``, L[t, j] is
+    kept where seq_t = seq_j and the initial state's terms where seq_t = 0.
     """
     h = x.shape[2]
     B, C = _per_head(B, h), _per_head(C, h)                                   # (b, l, h, n)
     a = (dt * A).transpose(1, 2)                                              # (b, h, l): log-decay per step
     L = torch.exp(segsum(a))                                                  # (b, h, l, l): L[t, s]
+    if seq_idx is not None:
+        same = (seq_idx[:, :, None] == seq_idx[:, None, :])[:, None]          # (b, 1, l, l)
+        L = L.masked_fill(~same, 0.0)
     scores = torch.einsum("bthn,bshn->bhts", C, B) * L                        # (b, h, l, l): L ∘ C Bᵀ
     y = torch.einsum("bhts,bsh,bshp->bthp", scores, dt, x)                    # (b, l, h, p)
     final = torch.einsum("bhs,bsh,bshp,bshn->bhpn", L[..., -1, :], dt, x, B)  # (b, h, p, n)
     if initial_states is not None:
         # exp of a plain cumsum is fine here: nothing is subtracted, the decay only shrinks towards 0.
         decay_from_start = torch.exp(a.cumsum(dim=-1))                        # (b, h, l)
+        if seq_idx is not None:
+            decay_from_start = decay_from_start * (seq_idx == 0)[:, None, :]   # sequence 0's positions only
         y = y + torch.einsum("bht,bthn,bhpn->bthp", decay_from_start, C, initial_states)
         final = final + decay_from_start[..., -1, None, None] * initial_states
     return y, final
@@ -268,15 +294,24 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, initial_states=None):
 
 # ---------------------------------------------------------------------------------------------- public entry
 def ssd_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initial_states=None,
-            dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, method="chunked"):
+            dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, method="chunked",
+            seq_idx=None, cu_seqlens=None, return_varlen_states=False):
     """SSD with mamba-ssm's ``mamba_chunk_scan_combined`` arguments (see the module docstring for shapes).
 
     Forms Δ with :func:`effective_dt`, runs one of the three forms (``method``: "chunked", which needs
     ``chunk_size``, "quadratic" or "recurrent"), then adds D x and gates with silu(z). Computes in fp32;
     returns out in x's dtype, and with ``return_final_states`` also the final state in fp32.
+
+    Packed sequences: ``seq_idx`` (b, l) with "quadratic" or "recurrent" (module docstring). With
+    ``return_varlen_states`` (method "recurrent", b = 1) also the state after each sequence's last position
+    cu_seqlens[i + 1] - 1, (num_seqs, h, p, n) fp32, last: (out, [final_states], varlen_states), mamba-ssm's order.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if seq_idx is not None and method == "chunked":
+        raise ValueError("seq_idx needs method='quadratic' or 'recurrent'")
+    if return_varlen_states and (method != "recurrent" or cu_seqlens is None or x.shape[0] != 1):
+        raise ValueError("return_varlen_states needs method='recurrent', cu_seqlens and b = 1")
     if method == "chunked" and (chunk_size is None or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int for method='chunked', got {chunk_size!r}")
     h, g = x.shape[2], B.shape[2]
@@ -288,16 +323,22 @@ def ssd_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initi
     dt = effective_dt(dt, dt_bias, dt_softplus, dt_limit)                     # (b, l, h)
     if initial_states is not None:
         initial_states = initial_states.float()
+    varlen = None
     if method == "chunked":
         y, final = ssd_chunked(x, dt, A, B, C, chunk_size, initial_states)
     elif method == "quadratic":
-        y, final = ssd_quadratic(x, dt, A, B, C, initial_states)
+        y, final = ssd_quadratic(x, dt, A, B, C, initial_states, seq_idx)
+    elif return_varlen_states:
+        ends = [int(e) - 1 for e in cu_seqlens[1:]]
+        y, final, varlen = ssd_recurrent(x, dt, A, B, C, initial_states, seq_idx, states_at=ends)
+        varlen = varlen[:, 0]                                                 # (num_seqs, h, p, n)
     else:
-        y, final = ssd_recurrent(x, dt, A, B, C, initial_states)
+        y, final = ssd_recurrent(x, dt, A, B, C, initial_states, seq_idx)
     if D is not None:
         D = D.float()
         y = y + x * (D.unsqueeze(-1) if D.dim() == 1 else D)                  # D: (h, 1) or (h, p)
     if z is not None:
         y = y * F.silu(z.float())
     out = y.to(dtype_in)
-    return (out, final) if return_final_states else out
+    results = (out,) + ((final,) if return_final_states else ()) + ((varlen,) if return_varlen_states else ())
+    return results if len(results) > 1 else out

@@ -14,14 +14,16 @@ step is checked against the matching step of :mod:`mambalab.ref.ssd`:
     backward       the steps' backwards in reverse order: :func:`ssd_chunk_scan_bwd`, with
                    ``reduction="atomic"`` or ``"deterministic"`` for every sum over programs
     tiles          the tile rule (shape only)
+    packed         packed sequences (``seq_idx``): the masks every step applies where the sequence changes;
+                   :func:`varlen_states_fwd` (in chunk_states) gives each sequence's final state
 
 Layouts: x, z, out (b, l, h, p); dt (b, l, h); B, C (b, l, g, n); per-chunk fp32 tensors Δ and cs are
-(b, h, c, q), states (b, c, h, p, n).
+(b, h, c, q), states (b, c, h, p, n); seq_idx (b, l) int32.
 """
 from mambalab.kernels.ssd.backward import REDUCTIONS, SSDGrads, ssd_chunk_scan_bwd
 from mambalab.kernels.ssd.chunk_cumsum import chunk_cumsum_bwd, chunk_cumsum_fwd
 from mambalab.kernels.ssd.chunk_scan import chunk_scan_bwd, chunk_scan_fwd
-from mambalab.kernels.ssd.chunk_states import chunk_states_fwd
+from mambalab.kernels.ssd.chunk_states import chunk_states_fwd, varlen_states_fwd
 from mambalab.kernels.ssd.forward import SSDForward, ssd_chunk_scan_fwd, steps_1_to_3
 from mambalab.kernels.ssd.state_passing import state_passing_fwd
 from mambalab.kernels.ssd.state_sweep import state_sweep_bwd, state_sweep_fwd
@@ -30,4 +32,4 @@ from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p, tile_config
 __all__ = ["REDUCTIONS", "SSDForward", "SSDGrads", "TileConfig", "backward_block_p", "chunk_cumsum_bwd",
            "chunk_cumsum_fwd", "chunk_scan_bwd", "chunk_scan_fwd", "chunk_states_fwd",
            "ssd_chunk_scan_bwd", "ssd_chunk_scan_fwd", "state_passing_fwd", "state_sweep_bwd",
-           "state_sweep_fwd", "steps_1_to_3", "tile_config"]
+           "state_sweep_fwd", "steps_1_to_3", "tile_config", "varlen_states_fwd"]

@@ -14,6 +14,9 @@ chunks; dB and dC over the heads of a group; da over the state's blocks) is done
 * ``reduction="deterministic"``: each program writes its partial to its own slot and
   :func:`mambalab.kernels.reduce.sum_partials` folds them in an order fixed by the shape alone.
 
+Packed sequences: ``seq_idx`` reaches the sweep and the chunk backward, which mask as their forwards do;
+step 0's backward needs nothing more (every gradient it receives is already 0 where a weight was masked).
+
 Tiles come from :func:`mambalab.kernels.ssd.tiles.tile_config` (plus the whole head per backward program).
 """
 from __future__ import annotations
@@ -49,11 +52,13 @@ class SSDGrads(NamedTuple):
 
 def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=None, dt_bias=None,
                        has_initial_states=False, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                       reduction: str = "deterministic", dot_precision: str | None = None) -> SSDGrads:
+                       reduction: str = "deterministic", dot_precision: str | None = None,
+                       seq_idx=None) -> SSDGrads:
     """Launch the SSD backward on the forward's (validated, contiguous) inputs and its saved results.
 
     dout: (b, l, h, p) contiguous, x's dtype; dfinal: (b, h, p, n) fp32 or None (no gradient reaches the
-    final states). ``reduction``: "atomic" or "deterministic" (see the module docstring).
+    final states). ``reduction``: "atomic" or "deterministic" (see the module docstring). seq_idx: (b, l)
+    int32 or None, as given to the forward.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
@@ -61,9 +66,10 @@ def ssd_chunk_scan_bwd(dout, dfinal, fwd: SSDForward, x, dt, A, B, C, D=None, z=
         dot_precision = device.dot_precision(x.dtype, x.device)
     cfg = fwd.tiles
     dstates, dinit, da = state_sweep_bwd(dout, z, C, fwd.dA_cumsum, fwd.entering_states, dfinal,
-                                         has_initial_states, cfg, reduction, dot_precision)
+                                         has_initial_states, cfg, reduction, dot_precision, seq_idx=seq_idx)
     dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws = chunk_scan_bwd(
-        dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dstates, D, z, cfg, reduction, dot_precision)
+        dout, x, B, C, fwd.delta, fwd.dA_cumsum, fwd.entering_states, dstates, D, z, cfg, reduction, dot_precision,
+        seq_idx=seq_idx)
     ddt, dA, dbias = chunk_cumsum_bwd(dt, A, dt_bias, dt_softplus, dt_limit, fwd.delta, ddelta, dcs_row, dcs_col,
                                       da, dws, cfg, reduction)
     return SSDGrads(dx, ddt, dA, dB, dC, dD, dz, dbias, dinit)

@@ -19,6 +19,11 @@ Shapes: x, z, out (b, l, h, p); C, B (b, l, g, n), head i reading group i // (h 
 entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p). out is written in x's dtype, padding positions skipped.
 One program: (batch row, chunk, head, block of BLOCK_T rows, block of BLOCK_P head dimensions).
 
+Packed sequences (``seq_idx``, :mod:`mambalab.kernels.ssd.packed`): the weights of the sum inside the chunk
+are kept only where seq_t = seq_s (a tl.where on L, after the exp: its exponent is already ≤ 0 there), and the
+entering state reaches row t only if seq_t = seq_before(c) (exp(cs_t) becomes 0 otherwise). One load of
+BLOCK_T indices per block of rows or columns, and one scalar a program.
+
 Step mode (``STEP`` > 0 positions a step; Mamba-3's rank-expanded scan, :mod:`mambalab.kernels.mamba3.chunk_scan`):
 the weights L[t, s] Δ_s of the sum inside the chunk become those of :func:`_intra_weights`, where the positions
 of one step all weigh that step's γ (``same``) on each other, and earlier steps keep L Δ. STEP = 0 is the SSD,
@@ -33,6 +38,7 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
+from mambalab.kernels.ssd.packed import _seq_before, _seq_block, _seq_last
 from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p
 
 
@@ -95,6 +101,13 @@ def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constex
 
 
 @triton.jit
+def _same_sequence(W, L, seq_t, seq_s):
+    """W and L (rows t × columns s) kept where t and s belong to one sequence, 0 elsewhere."""
+    same = seq_t[:, None] == seq_s[None, :]
+    return tl.where(same, W, 0.0), tl.where(same, L, 0.0)
+
+
+@triton.jit
 def chunk_scan_fwd_kernel(
     x_ptr,            # (b, l, h, p) inputs
     B_ptr,            # (b, l, g, n)
@@ -106,8 +119,10 @@ def chunk_scan_fwd_kernel(
     z_ptr,            # (b, l, h, p) gate, or a dummy
     out_ptr,          # (b, l, h, p) out, in x's dtype
     same_ptr,         # (b, h, c, q) fp32 the same-step weight at each position (STEP > 0), or a dummy
+    seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks; _intra_weights), 0: plain SSD
+    HAS_SEQ: tl.constexpr,           # packed sequences: no weight crosses a change of seq_idx
     HAS_D: tl.constexpr,
     D_PER_DIM: tl.constexpr,         # D is (h, p) rather than (h,)
     HAS_Z: tl.constexpr,
@@ -148,7 +163,11 @@ def chunk_scan_fwd_kernel(
         Ck = tl.load(C_ptr + C_rows + k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)   # (BT, BK)
         Hk = tl.load(entering_ptr + H_rows + k[None, :], mask=mask_p[:, None] & mask_k[None, :], other=0.0)
         ch += tl.dot(Ck.to(dot_ty), tl.trans(Hk.to(dot_ty)), input_precision=DOT_PRECISION)          # (BT, BP)
-    y = tl.exp(cs_t)[:, None] * ch                                                   # cs_t ≤ 0: no overflow
+    e_t = tl.exp(cs_t)                                                               # cs_t ≤ 0: no overflow
+    if HAS_SEQ:
+        seq_t = _seq_block(seq_ptr, row_t, mask_t)
+        e_t = tl.where(seq_t == _seq_before(seq_ptr, pid_b, pid_c, l, Q), e_t, 0.0)   # began before the chunk
+    y = e_t[:, None] * ch
 
     # Inside the chunk: Σ_{s ≤ t} exp(cs_t - cs_s) (C_t · B_s) Δ_s x_s, over blocks of s up to the diagonal.
     for s0 in range(0, (tblk + 1) * BLOCK_T, BLOCK_T):
@@ -164,6 +183,8 @@ def chunk_scan_fwd_kernel(
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # (BT, BT)
+        if HAS_SEQ:
+            W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
         if STEP > 0:
             scores = cb * W
         else:
@@ -185,11 +206,11 @@ def chunk_scan_fwd_kernel(
 
 
 def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_precision: str = "ieee", same=None,
-                   step: int = 0):
+                   step: int = 0, seq_idx=None):
     """Launch step 3. x, z (b, l, h, p) and B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q) fp32;
     entering (b, c, h, p, n) in x's dtype; D (h,) or (h, p) or None; z or None; with ``step`` > 0 positions a
-    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`). Returns out
-    (b, l, h, p), x's dtype."""
+    step, ``same`` (b, h, c, q) fp32 their same-step weights (:func:`_intra_weights`); seq_idx (b, l) int32
+    contiguous or None (packed sequences). Returns out (b, l, h, p), x's dtype."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -198,7 +219,7 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
     chunk_scan_fwd_kernel[grid](
         x, B, C, delta, cs, entering,
         D if D is not None else x, z if z is not None else x, out, same if step else delta,
-        h, p, n, l, g, c, STEP=step,
+        seq_idx if seq_idx is not None else delta, h, p, n, l, g, c, STEP=step, HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps,
@@ -230,6 +251,9 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
 # terms keep only the entries of earlier steps (the same step's weight γ_t depends on neither), and the rows
 # kernel adds dγ_t = Σ_{s in t's step} CB_ts dYx_ts (written per position; Mamba-3's step 0 sums a step's ranks).
 # Steps 1 and 3 share one kernel because both walk the same positions with the same x, B, Δ, cs.
+# Packed sequences: the forward's masks, where its weights appear: L_ts (and W_ts) kept where seq_t = seq_s,
+# exp(cs_t) where seq_t = seq_before(c) (rows kernel), w_s where seq_s = seq_last(c) (columns kernel). A
+# masked weight is 0, and so is every gradient term it multiplies (dcs, dws and dΔ included).
 #
 # Two kernels, each with one program per (batch row, chunk, head, block of BLOCK_T positions) and the whole
 # head dimension and state (tiles.backward_block_p, BLOCK_N), so sums over p and n stay inside a program:
@@ -277,8 +301,9 @@ def chunk_scan_bwd_rows_kernel(
     dD_ptr,           # atomic: (h, p or 1) fp32 zeroed; deterministic: (h, b·c·q/BLOCK_T, p or 1); or a dummy
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     dsame_ptr,        # (b, h, c, q) fp32 out: their gradient (STEP > 0), or a dummy
+    seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
-    STEP: tl.constexpr,
+    STEP: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -294,6 +319,9 @@ def chunk_scan_bwd_rows_kernel(
     Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :], mask=mask_tn, other=0.0).to(dot_ty)
     cs_t = tl.load(cs_ptr + chunk + offs_t)
     e_t = tl.exp(cs_t)
+    if HAS_SEQ:
+        seq_t = _seq_block(seq_ptr, row_t, mask_t)
+        e_t = tl.where(seq_t == _seq_before(seq_ptr, pid_b, pid_c, l, Q), e_t, 0.0)
     same_t = cs_t
     dsame = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STEP > 0:
@@ -322,6 +350,8 @@ def chunk_scan_bwd_rows_kernel(
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)
+        if HAS_SEQ:
+            W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
         dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
         if STEP > 0:
@@ -383,8 +413,9 @@ def chunk_scan_bwd_columns_kernel(
     dcs_col_ptr,      # (b, h, c, q) fp32 out: dcs, column part
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
+    seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
     h, p, n, l, g, c,
-    STEP: tl.constexpr,
+    STEP: tl.constexpr, HAS_SEQ: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -408,6 +439,9 @@ def chunk_scan_bwd_columns_kernel(
     pn = (((pid_b * c + pid_c) * h + head) * p + offs_p[:, None]).to(tl.int64) * n + offs_n[None, :]
     dS = tl.load(dstates_ptr + pn, mask=mask_p[:, None] & mask_n[None, :], other=0.0).to(dot_ty)   # (BP, BN)
     w_e = tl.exp(cs_last - cs_s)
+    if HAS_SEQ:
+        seq_s = _seq_block(seq_ptr, row_s, mask_s)
+        w_e = tl.where(seq_s == _seq_last(seq_ptr, pid_b, pid_c, l, Q), w_e, 0.0)   # the chunk's last sequence
     w = w_e * delta_s
     dSB = tl.dot(Bs, tl.trans(dS), input_precision=DOT_PRECISION)                  # (BT, BP): dS_c B_s
     dx = w[:, None] * dSB
@@ -427,6 +461,8 @@ def chunk_scan_bwd_columns_kernel(
         if STEP > 0:
             same_t = tl.load(same_ptr + chunk + offs_t)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # rows t, cols s
+        if HAS_SEQ:
+            W, L = _same_sequence(W, L, _seq_block(seq_ptr, row_t, mask_t), seq_s)
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
         LCB = L * CB
         dYx = tl.dot(dY, tl.trans(xs_dot), input_precision=DOT_PRECISION)
@@ -454,14 +490,16 @@ def chunk_scan_bwd_columns_kernel(
 
 
 def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileConfig, reduction: str,
-                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0):
+                   dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0,
+                   seq_idx=None):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
     program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
     dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
     (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
     (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``. With
     ``step`` > 0 positions a step and their same-step weights ``same`` (b, h, c, q) fp32 (:func:`_intra_weights`),
-    also their gradient dsame (b, h, c, q) fp32, returned last."""
+    also their gradient dsame (b, h, c, q) fp32, returned last. seq_idx (b, l) int32 contiguous or None:
+    packed sequences, masked as the forward masks them."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
@@ -491,16 +529,17 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
                  REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
                  DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps)
     D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
+    seq_arg = seq_idx if seq_idx is not None else delta
     chunk_scan_bwd_rows_kernel[grid](
         x, B, C, delta, cs, entering, D_arg, z_arg, dout,
         dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
-        same if step else delta, dsame if step else delta,
-        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, **flags,
+        same if step else delta, dsame if step else delta, seq_arg,
+        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, HAS_SEQ=seq_idx is not None, **flags,
     )
     chunk_scan_bwd_columns_kernel[grid](
         x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
-        dx, dB, ddelta, dcs_col, dws, same if step else delta,
-        h, p, n, l, g, c, STEP=step, **flags,
+        dx, dB, ddelta, dcs_col, dws, same if step else delta, seq_arg,
+        h, p, n, l, g, c, STEP=step, HAS_SEQ=seq_idx is not None, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)

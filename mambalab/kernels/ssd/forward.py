@@ -8,6 +8,10 @@
 Steps 1-3 can also run as one sweep with the state on chip (:mod:`mambalab.kernels.ssd.state_sweep`):
 :func:`steps_1_to_3` picks. Mamba-2's forward keeps the split steps (faster at its default q = 256, and they
 hand back S); Mamba-3's scan takes the sweep where the tile rule says so (``TileConfig.sweep_forward``).
+
+Packed sequences: ``seq_idx`` (b, l) int32 reaches steps 1-3 (step 0's cumsum runs across boundaries: only
+differences cs_t - cs_s within one sequence are ever used), each masking as
+:mod:`mambalab.kernels.ssd.packed` says.
 """
 from __future__ import annotations
 
@@ -39,11 +43,11 @@ class SSDForward(NamedTuple):
 
 def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
                        dt_softplus=False, dt_limit=(0.0, float("inf")), cfg: TileConfig | None = None,
-                       dot_precision: str | None = None) -> SSDForward:
+                       dot_precision: str | None = None, seq_idx=None) -> SSDForward:
     """Launch the SSD forward on validated, contiguous tensors (see :mod:`mambalab.ops.ssd`).
 
     x, z: (b, l, h, p); dt: (b, l, h); A: (h,) fp32; B, C: (b, l, g, n); D: (h,) or (h, p); dt_bias: (h,);
-    initial_states: (b, h, p, n) fp32. ``cfg`` overrides the tile rule (tests only: tiles fix the order of
+    initial_states: (b, h, p, n) fp32; seq_idx: (b, l) int32 (packed sequences) or None. ``cfg`` overrides the tile rule (tests only: tiles fix the order of
     additions). ``dot_precision`` is tl.dot's input_precision: by default the device layer's rule
     (:func:`mambalab.device.dot_precision`: "tf32" on a GPU, as mamba-ssm; "ieee" on the CPU interpreter).
     """
@@ -56,22 +60,24 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
         raise ValueError(f"the tiles are for chunk_size={cfg.chunk_size}, not {chunk_size}")
     delta, cs = chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg)
     out, entering, final, states = steps_1_to_3(x, B, C, delta, cs, initial_states, D, z, cfg, dot_precision,
-                                                sweep=False)
+                                                sweep=False, seq_idx=seq_idx)
     return SSDForward(out, final, delta, cs, states, entering, cfg)
 
 
 def steps_1_to_3(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str, sweep: bool, same=None,
-                 step: int = 0):
+                 step: int = 0, seq_idx=None):
     """Steps 1-3 from step 0's Δ and cs: as one sweep (``sweep``) or as the three split launches. Returns
     (out (b, l, h, p) and entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32, the chunk states S
     (b, c, h, p, n) fp32, or None from the sweep, which never forms them). ``step`` > 0 positions a step with
     same-step weights ``same`` (b, h, c, q) fp32: Mamba-3's form (:func:`~mambalab.kernels.ssd.chunk_scan.
-    _intra_weights`)."""
+    _intra_weights`). ``seq_idx`` (b, l) int32 or None: packed sequences."""
     if step and cfg.block_t % step:
         raise ValueError(f"a step's {step} positions must not straddle a block of {cfg.block_t}")
     if sweep:
-        return (*state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg, dot_precision, same=same, step=step), None)
-    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision)
-    entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype)
-    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision, same=same, step=step)
+        return (*state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg, dot_precision, same=same, step=step,
+                                 seq_idx=seq_idx), None)
+    states = chunk_states_fwd(x, B, delta, cs, cfg, dot_precision, seq_idx=seq_idx)
+    entering, final = state_passing_fwd(states, cs, initial, cfg, store_dtype=x.dtype, seq_idx=seq_idx)
+    out = chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg, dot_precision, same=same, step=step,
+                         seq_idx=seq_idx)
     return out, entering, final, states

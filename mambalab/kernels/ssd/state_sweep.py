@@ -35,6 +35,11 @@ and d initial = G_0. da_c is summed over the program's (BLOCK_P, BLOCK_N) tile; 
 head dimensions the blocks' sums are partials folded by :func:`mambalab.kernels.reduce.sum_partials`
 (``reduction="deterministic"``) or added by tl.atomic_add (``"atomic"``). dH^out_c never reaches memory.
 
+Packed sequences (``seq_idx``, :mod:`mambalab.kernels.ssd.packed`), in both sweeps: exp(a_c) is kept only
+where one sequence covers chunk c (seq_last(c) = seq_before(c)), else 0, so neither H nor G crosses a change
+of sequence; exp(cs_t) of the entering state's term only where seq_t = seq_before(c); inside the chunk
+(forward) the weights where seq_t = seq_s, and the chunk's own state S from the positions of seq_last(c).
+
 Shapes: as :func:`~mambalab.kernels.ssd.chunk_scan.chunk_scan_fwd`, with initial (b, h, p, n) fp32 or None in
 place of the entering states -> (out (b, l, h, p) in x's dtype, entering (b, c, h, p, n) in x's dtype,
 final (b, h, p, n) fp32). Backward: dout (b, l, h, p), entering as stored, dfinal (b, h, p, n) fp32 or None
@@ -49,6 +54,7 @@ import triton.language as tl
 from mambalab.kernels.reduce import sum_partials
 from mambalab.kernels.ssd.chunk_scan import _gated_grad, _same_step, _skip_weight
 from mambalab.kernels.ssd.chunk_states import _head_block
+from mambalab.kernels.ssd.packed import _seq_before, _seq_block, _seq_last
 from mambalab.kernels.ssd.tiles import TileConfig
 
 
@@ -66,8 +72,10 @@ def state_sweep_fwd_kernel(
     entering_ptr,     # (b, c, h, p, n) out, x's dtype: the state entering each chunk
     final_ptr,        # (b, h, p, n) fp32 out: the state after the last chunk
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0; chunk_scan._intra_weights), or a dummy
+    seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks), 0: plain SSD
+    HAS_SEQ: tl.constexpr,           # packed sequences
     HAS_INIT: tl.constexpr, HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_T: tl.constexpr,           # chunk positions per block (divides Q)
     BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -92,6 +100,11 @@ def state_sweep_fwd_kernel(
         tl.store(entering_ptr + at, Hd, mask=mask_pn)                               # entering: x's dtype
         chunk = (bh * c + ci).to(tl.int64) * Q
         cs_last = tl.load(cs_ptr + chunk + Q - 1)                                    # the chunk's log-decay
+        decay = tl.exp(cs_last)
+        if HAS_SEQ:
+            seq_before = _seq_before(seq_ptr, pid_b, ci, l, Q)
+            seq_last = _seq_last(seq_ptr, pid_b, ci, l, Q)
+            decay = tl.where(seq_last == seq_before, decay, 0.0)
         S = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)                           # the chunk's own state
         for t0 in range(0, Q, BLOCK_T):
             offs_t = t0 + offs_b
@@ -106,10 +119,17 @@ def state_sweep_fwd_kernel(
             cs_t = tl.load(cs_ptr + chunk + offs_t)
             delta_t = tl.load(delta_ptr + chunk + offs_t)
             Ct, Bt, xd = Ct.to(dot_ty), Bt.to(dot_ty), xt.to(dot_ty)
-            y = tl.exp(cs_t)[:, None] * tl.dot(Ct, tl.trans(Hd), input_precision=DOT_PRECISION)   # (BT, BP)
+            e_t = tl.exp(cs_t)
+            w_end = tl.exp(cs_last - cs_t) * delta_t                                 # step 1's weights
+            causal = offs_t[:, None] >= offs_t[None, :]
+            if HAS_SEQ:
+                seq_t = _seq_block(seq_ptr, row_t, mask_t)
+                e_t = tl.where(seq_t == seq_before, e_t, 0.0)
+                w_end = tl.where(seq_t == seq_last, w_end, 0.0)
+                causal = causal & (seq_t[:, None] == seq_t[None, :])
+            y = e_t[:, None] * tl.dot(Ct, tl.trans(Hd), input_precision=DOT_PRECISION)   # (BT, BP)
             # the block's own columns, under the causal mask (applied to the exponent, before the exp)
             cb = tl.dot(Ct, tl.trans(Bt), input_precision=DOT_PRECISION)
-            causal = offs_t[:, None] >= offs_t[None, :]
             L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
             if STEP > 0:
                 # the SSD's causal weights, then the step's own block overwritten with its γ (the same W as
@@ -117,6 +137,8 @@ def state_sweep_fwd_kernel(
                 # against 2.81 on an H200, benchmarks/results/2026-12-01_h200_ssd_same_step_forms_ab.json)
                 W = tl.where(_same_step(offs_t, offs_t, STEP), tl.load(same_ptr + chunk + offs_t)[:, None],
                              L * delta_t[None, :])
+                if HAS_SEQ:
+                    W = tl.where(seq_t[:, None] == seq_t[None, :], W, 0.0)
                 y += tl.dot((cb * W).to(dot_ty), xd, input_precision=DOT_PRECISION)
             else:
                 y += tl.dot((cb * L * delta_t[None, :]).to(dot_ty), xd, input_precision=DOT_PRECISION)
@@ -132,6 +154,8 @@ def state_sweep_fwd_kernel(
                 cs_s = tl.load(cs_ptr + chunk + offs_s)
                 delta_s = tl.load(delta_ptr + chunk + offs_s)
                 w = tl.exp(cs_t[:, None] - cs_s[None, :]) * delta_s[None, :]          # s < t: exponent ≤ 0
+                if HAS_SEQ:
+                    w = tl.where(seq_t[:, None] == _seq_block(seq_ptr, row_s, mask_s)[None, :], w, 0.0)
                 cb = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
                 y += tl.dot((cb * w).to(dot_ty), xs, input_precision=DOT_PRECISION)
             if HAS_D:
@@ -141,16 +165,18 @@ def state_sweep_fwd_kernel(
                 y = y * zz * tl.sigmoid(zz)
             tl.store(out_ptr + tp, y.to(out_ptr.dtype.element_ty), mask=mask_tp)
             # step 1: this block's part of the chunk's own state, weighted by its decay to the chunk's end
-            xw = (xt.to(tl.float32) * (tl.exp(cs_last - cs_t) * delta_t)[:, None]).to(dot_ty)
+            xw = (xt.to(tl.float32) * w_end[:, None]).to(dot_ty)
             S += tl.dot(tl.trans(xw), Bt, input_precision=DOT_PRECISION)              # (BP, BN)
-        H = tl.exp(cs_last) * H + S                                                  # step 2
+        H = decay * H + S                                                            # step 2
     tl.store(final_ptr + state, H, mask=mask_pn)
 
 
 def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_precision: str = "ieee",
-                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0):
+                    block_p: int | None = None, num_warps: int | None = None, same=None, step: int = 0,
+                    seq_idx=None):
     """Launch steps 1-3 as one sweep. x, z (b, l, h, p), B, C (b, l, g, n) contiguous; delta, cs (b, h, c, q)
-    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None. ``block_p`` and
+    fp32; initial (b, h, p, n) fp32 contiguous or None; D (h,) or (h, p) or None; z or None; seq_idx (b, l)
+    int32 contiguous or None. ``block_p`` and
     ``num_warps`` default to the tile rule's (cfg.block_p, cfg.num_warps). Returns (out (b, l, h, p) and
     entering (b, c, h, p, n) in x's dtype, final (b, h, p, n) fp32)."""
     b, l, h, p = x.shape
@@ -163,8 +189,8 @@ def state_sweep_fwd(x, B, C, delta, cs, initial, D, z, cfg: TileConfig, dot_prec
     state_sweep_fwd_kernel[(b, h * triton.cdiv(p, block_p))](
         x, B, C, delta, cs, initial if initial is not None else final,
         D if D is not None else x, z if z is not None else x, out, entering, final,
-        same if step else delta, h, p, n, l, g, c, STEP=step,
-        HAS_INIT=initial is not None, HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2,
+        same if step else delta, seq_idx if seq_idx is not None else delta, h, p, n, l, g, c, STEP=step,
+        HAS_SEQ=seq_idx is not None, HAS_INIT=initial is not None, HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2,
         HAS_Z=z is not None, BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q,
         DOT_PRECISION=dot_precision, num_warps=num_warps or cfg.num_warps,
     )
@@ -182,7 +208,9 @@ def state_sweep_bwd_kernel(
     dstates_ptr,      # (b, c, h, p, n) out, entering's dtype: dS_c = G_{c+1}
     dinit_ptr,        # (b, h, p, n) fp32 out: G_0 (or a dummy)
     da_ptr,           # atomic: (b, h, c) fp32 zeroed; deterministic: (b, h, c, p-blocks) fp32 partials
+    seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
     h, p, n, l, g, c,
+    HAS_SEQ: tl.constexpr,
     HAS_Z: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_INIT: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -206,6 +234,9 @@ def state_sweep_bwd_kernel(
         tl.store(dstates_ptr + at, G.to(dstates_ptr.dtype.element_ty), mask=mask_pn)
         chunk = (bh * c + ci).to(tl.int64) * Q
         decay = tl.exp(tl.load(cs_ptr + chunk + Q - 1))
+        if HAS_SEQ:
+            seq_before = _seq_before(seq_ptr, pid_b, ci, l, Q)
+            decay = tl.where(_seq_last(seq_ptr, pid_b, ci, l, Q) == seq_before, decay, 0.0)
         Hc = tl.load(entering_ptr + at, mask=mask_pn, other=0.0).to(tl.float32)
         da = decay * tl.sum(tl.sum(Hc * G, axis=1), axis=0)
         if REDUCE_ATOMIC:
@@ -221,16 +252,21 @@ def state_sweep_bwd_kernel(
                              mask_t[:, None] & mask_p[None, :], HAS_Z)
             Ct = tl.load(C_ptr + (row_t[:, None] * g + group) * n + offs_n[None, :],
                          mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-            dYe = (dY * tl.exp(tl.load(cs_ptr + chunk + offs_t))[:, None]).to(dot_ty)
+            e_t = tl.exp(tl.load(cs_ptr + chunk + offs_t))
+            if HAS_SEQ:
+                e_t = tl.where(_seq_block(seq_ptr, row_t, mask_t) == seq_before, e_t, 0.0)
+            dYe = (dY * e_t[:, None]).to(dot_ty)
             G += tl.dot(tl.trans(dYe), Ct.to(dot_ty), input_precision=DOT_PRECISION)   # dH^out_c
     if HAS_INIT:
         tl.store(dinit_ptr + state, G, mask=mask_pn)
 
 
 def state_sweep_bwd(dout, z, C, cs, entering, dfinal, has_init: bool, cfg: TileConfig, reduction: str,
-                    dot_precision: str = "ieee", block_p: int | None = None, num_warps: int | None = None):
+                    dot_precision: str = "ieee", block_p: int | None = None, num_warps: int | None = None,
+                    seq_idx=None):
     """Launch the backward sweep (module docstring). dout, z (b, l, h, p) contiguous; C (b, l, g, n); cs
-    (b, h, c, q) fp32; entering (b, c, h, p, n) as the forward stored it; dfinal (b, h, p, n) fp32 or None.
+    (b, h, c, q) fp32; entering (b, c, h, p, n) as the forward stored it; dfinal (b, h, p, n) fp32 or None;
+    seq_idx (b, l) int32 contiguous or None.
     ``block_p`` and ``num_warps`` default to the tile rule's (cfg.sweep_backward_block_p, cfg.num_warps).
     Returns (dstates (b, c, h, p, n) in entering's dtype, dinit (b, h, p, n) fp32 or None, da (b, h, c)
     fp32)."""
@@ -246,8 +282,8 @@ def state_sweep_bwd(dout, z, C, cs, entering, dfinal, has_init: bool, cfg: TileC
     da = torch.zeros(b, h, c, **f32) if atomic else torch.empty(b, h, c, n_pblocks, **f32)
     state_sweep_bwd_kernel[(b, h * n_pblocks)](
         dout, z if z is not None else dout, C, cs, entering, dfinal if dfinal is not None else dstates,
-        dstates, dinit if dinit is not None else dstates, da,
-        h, p, n, l, g, c,
+        dstates, dinit if dinit is not None else dstates, da, seq_idx if seq_idx is not None else cs,
+        h, p, n, l, g, c, HAS_SEQ=seq_idx is not None,
         HAS_Z=z is not None, HAS_DFINAL=dfinal is not None, HAS_INIT=has_init, REDUCE_ATOMIC=atomic,
         BLOCK_T=cfg.block_t, BLOCK_P=block_p, BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
         num_warps=num_warps or cfg.num_warps,
