@@ -59,6 +59,26 @@ def _ssd(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
     _backward(ssd_chunk_scan(**x, chunk_size=chunk, dt_softplus=True, return_final_states=True, reduction=reduction))
 
 
+def _ssd_packed(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
+    """Three packed sequences in one row (boundaries inside chunks), with each sequence's final state."""
+    l = 3 * chunk
+    lengths = [chunk // 2 + 1, chunk + 3, l - (chunk // 2 + 1) - (chunk + 3)]
+    x = _leaves(make_ssd_inputs(1, l, h, p, g, n, D="hp", init=False, dtype=dtype, param_dtype=torch.float32))
+    seq_idx = torch.repeat_interleave(torch.arange(3, dtype=torch.int32), torch.tensor(lengths))[None]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    out = ssd_chunk_scan(**x, chunk_size=chunk, seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=True,
+                         return_final_states=True, return_varlen_states=True, reduction=reduction)
+    _backward(out[:2])
+
+
+def _scan_minimal(kind, block_d, block_l=32):
+    from mambalab.kernels.selective_scan_minimal import selective_scan_minimal
+    b, d, n, l = 2, 64, 16, 96
+    u, delta = torch.randn(b, d, l, dtype=torch.bfloat16), torch.rand(b, d, l, dtype=torch.bfloat16)
+    B, C = torch.randn(b, n, l, dtype=torch.bfloat16), torch.randn(b, n, l, dtype=torch.bfloat16)
+    selective_scan_minimal(u, delta, -torch.rand(d, n), B, C, kind=kind, block_d=block_d, block_l=block_l)
+
+
 def _ssd_forward(dtype):
     x = make_ssd_inputs(2, 64, 4, 16, 1, 16, D="h", z=False, dtype=dtype, param_dtype=torch.float32)
     ssd_chunk_scan_forward(**x, chunk_size=16)
@@ -97,6 +117,11 @@ CASES = {
     "ssd_chunk_scan-bf16-atomic": lambda: _ssd(torch.bfloat16, "atomic"),
     "ssd_chunk_scan-bf16-gpu-tiles": lambda: _ssd(torch.bfloat16, h=2, p=64, g=1, n=128, chunk=256),
     "ssd_chunk_scan_forward-bf16": lambda: _ssd_forward(torch.bfloat16),
+    "ssd_chunk_scan-bf16-packed": lambda: _ssd_packed(torch.bfloat16),
+    "ssd_chunk_scan-fp32-packed-atomic": lambda: _ssd_packed(torch.float32, "atomic"),
+    "ssd_chunk_scan-bf16-packed-gpu-tiles": lambda: _ssd_packed(torch.bfloat16, h=2, p=64, g=1, n=128, chunk=256),
+    "selective_scan_minimal-loop": lambda: _scan_minimal("loop", 32),
+    "selective_scan_minimal-assoc": lambda: _scan_minimal("assoc", 4),
     "mamba3_chunk_scan-r1": lambda: _mamba3(1),
     "mamba3_chunk_scan-r4": lambda: _mamba3(4),
     "mamba3_chunk_scan-r4-fp32": lambda: _mamba3(4, torch.float32),
