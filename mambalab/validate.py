@@ -115,19 +115,24 @@ def index_tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = INDEX_DTYPES) 
 
 
 class Nondecreasing:
-    """The check that ``x`` never decreases along its last axis, in two halves as :class:`Finite`: building it
-    queues one comparison and reduction on ``x``'s device, :meth:`check` reads the answer and raises naming
-    ``name``. Skipped while a CUDA graph is captured."""
+    """The check that the sequence indices ``x`` never decrease along its last axis, negative ones (padding, as
+    mamba-ssm's -1) left out: each index at least every nonnegative one before it. In two halves as
+    :class:`Finite`: building it queues a running maximum, a comparison and a reduction on ``x``'s device,
+    :meth:`check` reads the answer and raises naming ``name``. Skipped while a CUDA graph is captured."""
 
     def __init__(self, name: str, x: torch.Tensor):
         self.name = name
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        self._drops = (x[..., 1:] < x[..., :-1]).any() if x.shape[-1] > 1 and not capturing else None
+        self._drops = None
+        if x.shape[-1] > 1 and not capturing:
+            before = torch.cummax(x, dim=-1).values[..., :-1]        # the largest index up to each position
+            now = x[..., 1:]
+            self._drops = ((now >= 0) & (now < before)).any()
 
     def check(self) -> None:
         if self._drops is not None and bool(self._drops):
-            raise ValueError(f"{self.name} must be nondecreasing along its last axis (each sequence's positions "
-                             "together, in order); it decreases somewhere")
+            raise ValueError(f"{self.name} must be nondecreasing along its last axis, negative indices (padding) "
+                             "aside: each sequence's positions together, in order; it decreases somewhere")
 
 
 def distinct_elements(x: torch.Tensor) -> torch.Tensor:

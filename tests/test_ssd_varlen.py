@@ -201,11 +201,13 @@ i32 = dict(dtype=torch.int32, device=KERNEL_DEVICE)
     (dict(seq_idx=torch.zeros(1, 15, **i32)), ValueError, r"seq_idx must have shape \(b, l\)"),
     (dict(seq_idx=torch.zeros(1, 16, dtype=torch.int32, device="meta")), ValueError, "seq_idx is on meta"),
     (dict(seq_idx=torch.tensor([[0] * 8 + [1] * 4 + [0] * 4], **i32)), ValueError, "seq_idx must be nondecreasing"),
+    (dict(seq_idx=torch.tensor([[0] * 6 + [-1] * 2 + [2] * 4 + [1] * 4], **i32)), ValueError,
+     "seq_idx must be nondecreasing"),   # padding between sequences is fine; 2 then 1 is not
     (dict(return_varlen_states=True), ValueError, "return_varlen_states=True needs cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([0, 8, 16], **i32), return_varlen_states=True), ValueError,
      "2 sequences but seq_idx is None"),
     (dict(cu_seqlens=torch.tensor([1, 16], **i32), return_varlen_states=True), ValueError, "cu_seqlens must start at 0"),
-    (dict(cu_seqlens=torch.tensor([0, 8, 8, 16], **i32), return_varlen_states=True), ValueError, "increase strictly"),
+    (dict(cu_seqlens=torch.tensor([0, 8, 6, 16], **i32), return_varlen_states=True), ValueError, "never decrease"),
     (dict(cu_seqlens=torch.tensor([0, 17], **i32), return_varlen_states=True), ValueError, "at most at l = 16"),
     (dict(cu_seqlens=torch.tensor([[0, 16]], **i32), return_varlen_states=True), ValueError,
      r"cu_seqlens must have shape \(num_seqs \+ 1,\)"),
@@ -231,6 +233,52 @@ def test_cu_seqlens_is_read_only_for_varlen_states():
     args = [inp[k] for k in NAMES[:5]]
     plain = ssd_chunk_scan_forward(*args, Q)
     assert torch.equal(plain, ssd_chunk_scan_forward(*args, Q, cu_seqlens=torch.tensor([0, 8, 16], **i32)))
+
+
+def test_padding_and_empty_sequences_as_mamba_ssm_marks_them():
+    """mamba-ssm's padded batch: positions after the last sequence carry seq_idx -1 and cu_seqlens ends before
+    l, with an empty sequence for the padding row. The sequences' outputs and states are theirs alone; the
+    empty sequence's state is zero; padding between sequences is allowed too."""
+    lengths, pad = (6, 13, 4), 9
+    l = sum(lengths) + pad
+    inp = make_ssd_inputs(1, l, 2, 8, 1, 16, init=False, device=KERNEL_DEVICE)
+    args = [inp[k] for k in NAMES]
+    seq = torch.cat([seq_idx_of(lengths), torch.full((1, pad), -1, **i32)], dim=1)
+    cu = torch.cat([cu_seqlens_of(lengths), cu_seqlens_of(lengths)[-1:]])      # the padding: an empty sequence
+    out, varlen = ssd_chunk_scan_forward(*args[:5], Q, *args[5:], seq, cu, True, return_varlen_states=True)
+    assert varlen.shape == (len(lengths) + 1, 2, 8, 16) and not varlen[-1].any()
+    start = 0
+    for i, n in enumerate(lengths):
+        one = {k: (inp[k][:, start:start + n] if k in PER_POSITION else inp[k]) for k in NAMES}
+        alone, final = ssd_chunk_scan_forward(*(one[k] for k in NAMES[:5]), Q, *(one[k] for k in NAMES[5:]),
+                                              dt_softplus=True, return_final_states=True)
+        assert_close(out[:, start:start + n], alone, f"out of sequence {i}")
+        assert_close(varlen[i], final[0], f"varlen_states[{i}]")
+        start += n
+    # padding between two sequences: the second is still its own
+    mid = torch.cat([torch.zeros(1, 6, **i32), torch.full((1, 4), -1, **i32), torch.ones(1, l - 10, **i32)], 1)
+    got = ssd_chunk_scan_forward(*args[:5], Q, *args[5:], mid, dt_softplus=True)
+    tail = {k: (inp[k][:, 10:] if k in PER_POSITION else inp[k]) for k in NAMES}
+    alone = ssd_chunk_scan_forward(*(tail[k] for k in NAMES[:5]), Q, *(tail[k] for k in NAMES[5:]), dt_softplus=True)
+    assert_close(got[:, 10:], alone, "the sequence after padding")
+
+
+def test_mamba2_with_cu_seqlens_before_the_padding():
+    """Mamba2 derives seq_idx from cu_seqlens with -1 after its end (mamba-ssm's padding), keeps one decoding
+    state per sequence, zero for an empty one."""
+    torch.manual_seed(0)
+    block = Mamba2(16, d_state=16, headdim=8, chunk_size=Q, scan="kernel").to(KERNEL_DEVICE)
+    lengths, pad = (9, 14), 7
+    u = torch.randn(1, sum(lengths) + pad, 16, generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    cu = torch.tensor([0, 9, 23, 23], dtype=torch.int32, device=KERNEL_DEVICE)
+    cache = block.allocate_inference_cache(3)
+    with torch.no_grad():
+        out = block(u, cu_seqlens=cu, cache=cache)
+        for i, (lo, hi) in enumerate([(0, 9), (9, 23)]):
+            one = block.allocate_inference_cache(1)
+            assert_close(out[:, lo:hi], block(u[:, lo:hi], cache=one), f"out of sequence {i}")
+            assert_close(cache[1][i], one[1][0], f"ssm_state of sequence {i}")
+    assert not cache[0][2].any() and not cache[1][2].any()
 
 
 # ---------------------------------------------------------------------------------------------- the conv
@@ -288,7 +336,9 @@ def test_mamba2_names_bad_packed_arguments():
     with pytest.raises(ValueError, match="b = 1"):
         block(u, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens must be"):
-        block(u[:1], cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
+        block(u[:1], cu_seqlens=torch.tensor([0, 9], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        block(u[:1], cu_seqlens=torch.tensor([0, 5, 3], dtype=torch.int32))
     with pytest.raises(TypeError, match="seq_idx must have dtype"):
         block(u, seq_idx=torch.zeros(2, 8))
 

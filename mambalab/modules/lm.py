@@ -125,7 +125,8 @@ class MambaLM(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embedding.weight
 
-    def forward(self, ids: torch.Tensor, inference_params=None, num_last_tokens: int = 0) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, inference_params=None, num_last_tokens: int = 0,
+                **mixer_kwargs) -> torch.Tensor:
         """ids (b, l) -> logits (b, l, vocab_size), or (b, num_last_tokens, vocab_size) for the last positions
         only when ``num_last_tokens`` > 0 (as mamba-ssm's ``MambaLMHeadModel``: a prefill needs one position's
         logits, and all of them cost b · l · vocab_size numbers, 6.6 GB at 64K tokens and 50K words in bf16).
@@ -133,14 +134,16 @@ class MambaLM(nn.Module):
         inference_params: mamba-ssm's ``InferenceParams`` (or :class:`mambalab.inference.InferenceParams`):
         every mixer keeps its state in ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the
         prompt runs through the chunked scans and fills the states, after that each call is one step (l = 1).
+        mixer_kwargs: handed to every mixer, as mamba-ssm's model does: packed sequences (``seq_idx``,
+        ``cu_seqlens``) for Mamba-2 mixers.
         """
         validate.token_ids("ids", ids, self.config.vocab_size)
         h = self.embedding(ids)                              # (b, l, d_model)
         for layer in self.layers:
-            if inference_params is None:
+            if inference_params is None and not mixer_kwargs:
                 h = layer(h)
             else:
-                h = h + layer.mixer(layer.norm(h), inference_params=inference_params)
+                h = h + layer.mixer(layer.norm(h), inference_params=inference_params, **mixer_kwargs)
         if num_last_tokens > 0:
             h = h[:, -num_last_tokens:]
         return self.lm_head(self.norm_f(h))                  # (b, l, vocab_size)

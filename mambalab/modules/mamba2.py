@@ -57,7 +57,7 @@ from mambalab import validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state, varlen_conv_states
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
-from mambalab.ref.ssd import ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
+from mambalab.ref.ssd import last_positions, ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
 from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba2"]
@@ -235,9 +235,10 @@ class Mamba2(nn.Module):
 
         seqlen: mamba-ssm's flattened form (rows of u are b sequences of ``seqlen`` positions, one after the
             other), which sequence-parallel callers use.
-        seq_idx: (b, l) int32, nondecreasing along l: packed sequences (module docstring); the conv window and
-            the SSD state restart wherever it changes.
-        cu_seqlens: (num_seqs + 1,) integers, 0 first, strictly increasing, l last (b = 1): sequence i is
+        seq_idx: (b, l) int32, nondecreasing along l but for -1 (padding): packed sequences (module
+            docstring); the conv window and the SSD state restart wherever it changes.
+        cu_seqlens: (num_seqs + 1,) integers, 0 first, never decreasing, at most l last (b = 1; the positions
+            after it are padding, an empty sequence's state is zero): sequence i is
             positions cu_seqlens[i] … cu_seqlens[i + 1] - 1. Without seq_idx it implies it. With
             ``inference_params`` or ``cache`` the states kept are per sequence: (num_seqs, ...).
         inference_params: mamba-ssm's ``InferenceParams`` (see the module docstring): this layer's states
@@ -301,14 +302,14 @@ class Mamba2(nn.Module):
         if b != 1:
             raise ValueError(f"cu_seqlens needs the sequences packed into one row, b = 1 (u.shape[0]); got b = {b}")
         bounds = cu_seqlens.tolist() if cu_seqlens.dim() == 1 else None
-        if (bounds is None or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != l
-                or any(e <= s for s, e in zip(bounds, bounds[1:]))):
-            raise ValueError(f"cu_seqlens must be (num_seqs + 1,) from 0 to l = {l}, strictly increasing; got "
-                             f"{bounds if bounds is not None else tuple(cu_seqlens.shape)}")
-        if seq_idx is None:
-            lengths = torch.tensor([e - s for s, e in zip(bounds, bounds[1:])], device=u.device)
-            seq_idx = torch.repeat_interleave(torch.arange(len(bounds) - 1, device=u.device, dtype=torch.int32),
-                                              lengths)[None]                  # (1, l)
+        if (bounds is None or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] > l
+                or any(e < s for s, e in zip(bounds, bounds[1:]))):
+            raise ValueError(f"cu_seqlens must be (num_seqs + 1,) from 0, never decreasing, to at most l = {l}; "
+                             f"got {bounds if bounds is not None else tuple(cu_seqlens.shape)}")
+        if seq_idx is None:   # positions after the last sequence are padding: -1, as mamba-ssm marks them
+            lengths = torch.tensor([e - s for s, e in zip(bounds, bounds[1:])] + [l - bounds[-1]], device=u.device)
+            ids = torch.arange(-1, len(bounds) - 1, device=u.device, dtype=torch.int32).roll(-1)   # 0 … k-1, -1
+            seq_idx = torch.repeat_interleave(ids, lengths)[None]                 # (1, l)
         return seq_idx
 
     def _scan(self, x, dt, A, B, C, z, return_final_states: bool, seq_idx=None, cu_seqlens=None):
@@ -340,7 +341,7 @@ class Mamba2(nn.Module):
         delta = F.softplus(dt.to(f64) + self.dt_bias.to(f64)).clamp(*self.dt_limit)      # (b, l, h)
         args = (x, delta, -torch.exp(self.A_log.to(f64)), B.to(f64), C.to(f64))
         if cu_seqlens is not None:
-            y, _, final = ssd_recurrent(*args, seq_idx=seq_idx, states_at=[int(e) - 1 for e in cu_seqlens[1:]])
+            y, _, final = ssd_recurrent(*args, seq_idx=seq_idx, states_at=last_positions(cu_seqlens))
             final = final[:, 0]                                                           # (num_seqs, h, p, n)
         elif seq_idx is not None:
             y, final = ssd_quadratic(*args, seq_idx=seq_idx)

@@ -32,10 +32,11 @@ def _check_packed(x, seq_idx, cu_seqlens, return_varlen_states):
     (seq_idx as the kernels take it, (b, l) int32 contiguous, or None; cu_seqlens, or None when no varlen states
     are asked for; the checks still to run just before the launch, a list).
 
-    seq_idx: (b, l) int32 or int64 on x's device, nondecreasing along l (checked on the device, read back just
-    before the launch). cu_seqlens matters only with ``return_varlen_states`` (as in mamba-ssm): then it is
-    (num_seqs + 1,) int32 or int64 on x's device, 0 first, strictly increasing, at most l last (read back now:
-    it is small), b must be 1, and seq_idx must mark the sequences unless there is only one.
+    seq_idx: (b, l) int32 or int64 on x's device, nondecreasing along l but for negative entries (padding, as
+    mamba-ssm's -1) (checked on the device, read back just before the launch). cu_seqlens matters only with
+    ``return_varlen_states`` (as in mamba-ssm): then it is (num_seqs + 1,) int32 or int64 on x's device, 0
+    first, nondecreasing (an empty sequence's state is zero), at most l last (positions after it are padding;
+    read back now: it is small), b must be 1, and seq_idx must mark the sequences unless there is only one.
     """
     b, l = x.shape[0], x.shape[1]
     checks = []
@@ -63,9 +64,8 @@ def _check_packed(x, seq_idx, cu_seqlens, return_varlen_states):
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {x.device}; all inputs must be on "
                          "the same device")
     bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or any(e <= s for s, e in zip(bounds, bounds[1:])) or bounds[-1] > l:
-        raise ValueError(f"cu_seqlens must start at 0, increase strictly (every sequence at least one position) "
-                         f"and end at most at l = {l}; got {bounds}")
+    if bounds[0] != 0 or any(e < s for s, e in zip(bounds, bounds[1:])) or bounds[-1] > l:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at most at l = {l}; got {bounds}")
     if seq_idx is None and len(bounds) > 2:
         raise ValueError(f"cu_seqlens holds {len(bounds) - 1} sequences but seq_idx is None: pass seq_idx (1, l) "
                          "marking them, or the scan runs them as one sequence")
@@ -87,7 +87,7 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward, n
     cfg = _kernels.tile_config(h, p, n, chunk_size, _device.compute_dtype(dtype, device))
     cdiv = lambda a, m: -(-a // m)
     c = cdiv(l, chunk_size)
-    bsz, lsz, hsz = ("b (x.shape[0])", b), ("l (x.shape[1])", l), ("h (x.shape[2])", h)
+    bsz, hsz = ("b (x.shape[0])", b), ("h (x.shape[2])", h)
     csz = ("the chunk count", c)
     split_h = "; split the heads across calls"
     grid = validate.launch_grid

@@ -148,6 +148,12 @@ def ssd_step(state, x_t, dt_t, A, B_t, C_t):
     return state, y_t
 
 
+def last_positions(cu_seqlens) -> list:
+    """Each packed sequence's last position from ``cu_seqlens`` (num_seqs + 1,), None for an empty sequence."""
+    bounds = [int(v) for v in cu_seqlens]
+    return [e - 1 if e > s else None for s, e in zip(bounds, bounds[1:])]
+
+
 def ssd_recurrent(x, dt, A, B, C, initial_states=None, seq_idx=None, states_at=None):
     """The recurrence, one step after another: l sequential steps. No D, no z.
 
@@ -155,7 +161,7 @@ def ssd_recurrent(x, dt, A, B, C, initial_states=None, seq_idx=None, states_at=N
     initial_states: (b, h, p, n) or None (zeros); seq_idx: (b, l) or None, the state reset to zero before every
     position whose sequence differs from the previous one's (the one before position 0 counts as sequence 0)
     -> (y (b, l, h, p), final state (b, h, p, n)). With ``states_at`` (a list of positions) a third result:
-    the states after those positions, (len(states_at), b, h, p, n).
+    the states after those positions, (len(states_at), b, h, p, n) (None for a zero state: an empty sequence's).
     """
     b, l, h, p = x.shape
     n = B.shape[-1]
@@ -172,7 +178,8 @@ def ssd_recurrent(x, dt, A, B, C, initial_states=None, seq_idx=None, states_at=N
     y = torch.stack(ys, dim=1)                                                # (b, l, h, p)
     if states_at is None:
         return y, state
-    return y, state, torch.stack([kept[int(t)] for t in states_at])          # (k, b, h, p, n)
+    return y, state, torch.stack([torch.zeros_like(state) if t is None else kept[int(t)]   # (k, b, h, p, n)
+                                  for t in states_at])
 
 
 # ---------------------------------------------------------------------------------------------- quadratic form
@@ -329,7 +336,7 @@ def ssd_ref(x, dt, A, B, C, chunk_size=None, D=None, z=None, dt_bias=None, initi
     elif method == "quadratic":
         y, final = ssd_quadratic(x, dt, A, B, C, initial_states, seq_idx)
     elif return_varlen_states:
-        ends = [int(e) - 1 for e in cu_seqlens[1:]]
+        ends = last_positions(cu_seqlens)
         y, final, varlen = ssd_recurrent(x, dt, A, B, C, initial_states, seq_idx, states_at=ends)
         varlen = varlen[:, 0]                                                 # (num_seqs, h, p, n)
     else:

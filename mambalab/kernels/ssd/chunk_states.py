@@ -140,12 +140,15 @@ def varlen_states_fwd_kernel(
     mask_pn = mask_p[:, None] & mask_n[None, :]
     dot_ty = x_ptr.dtype.element_ty
 
+    first = tl.load(cu_ptr + pid_i).to(tl.int32)
     e = (tl.load(cu_ptr + pid_i + 1) - 1).to(tl.int32)                              # the sequence's last position
+    nonempty = e >= first                                                            # an empty one's state is 0
+    e = tl.maximum(e, 0)
     ce = e // Q
     u = e - ce * Q                                                                   # its offset in chunk ce
     chunk = (head * c + ce).to(tl.int64) * Q
     cs_u = tl.load(cs_ptr + chunk + u)
-    keep = tl.exp(cs_u)                                                              # decay of H_ce up to e
+    keep = tl.where(nonempty, tl.exp(cs_u), 0.0)                                     # decay of H_ce up to e
     if HAS_SEQ:
         seq_e = tl.load(seq_ptr + e)
         keep = tl.where(seq_e == _seq_before(seq_ptr, 0, ce, l, Q), keep, 0.0)
@@ -153,7 +156,7 @@ def varlen_states_fwd_kernel(
     V = keep * tl.load(entering_ptr + at, mask=mask_pn, other=0.0).to(tl.float32)
     for s0 in range(0, u + 1, BLOCK_T):   # the chunk's positions up to e
         s = s0 + offs_t
-        mine = s <= u                                                               # (and so before l)
+        mine = (s <= u) & nonempty                                                  # (and so before l)
         row = (ce * Q + s).to(tl.int64)
         if HAS_SEQ:
             mine = mine & (_seq_block(seq_ptr, row, mine) == seq_e)
@@ -173,7 +176,8 @@ def varlen_states_fwd_kernel(
 def varlen_states_fwd(x, B, delta, cs, entering, seq_idx, cu_seqlens, cfg: TileConfig, dot_precision: str = "ieee"):
     """Each packed sequence's final state (module docstring). x (1, l, h, p), B (1, l, g, n) contiguous; delta,
     cs (1, h, c, q) fp32; entering (1, c, h, p, n) from step 2; seq_idx (1, l) int32 or None; cu_seqlens
-    (num_seqs + 1,) integers, strictly increasing from 0 to at most l (validated by the op).
+    (num_seqs + 1,) integers, nondecreasing from 0 to at most l (validated by the op; an empty sequence's
+    state is zero).
 
     Returns (num_seqs, h, p, n) fp32.
     """
