@@ -237,7 +237,7 @@ def split_into_chunks(x, dt, A, B, C, chunk_size):
 
 
 def chunk_diagonal_outputs(x, dt, a, B, C):
-    """Step 1: each chunk's outputs from its own inputs, the matrix form inside every chunk.
+    """Step 3, first part: each chunk's outputs from its own inputs, the matrix form inside every chunk.
 
     Y_diag[c] = (L_c ∘ C_c B_cᵀ)(Δ_c ⊙ X_c), L_c the q × q decay matrix of chunk c.
     x: (b, c, q, h, p); dt, a: (b, c, q, h); B, C: (b, c, q, h, n) -> (b, c, q, h, p).
@@ -248,7 +248,7 @@ def chunk_diagonal_outputs(x, dt, a, B, C):
 
 
 def chunk_states(x, dt, a, B):
-    """Step 2: the state each chunk leaves behind when it starts from zero.
+    """Step 1: the state each chunk leaves behind when it starts from zero.
 
     states[c] = Σ_s exp(a_{s+1} + … + a_{q-1}) Δ_s x_s B_sᵀ over the steps s of chunk c; the weights are the
     last row of the chunk's decay matrix L_c.
@@ -259,7 +259,7 @@ def chunk_states(x, dt, a, B):
 
 
 def state_passing(states, chunk_decay, initial_states=None):
-    """Step 3: the recurrence over chunks, c sequential steps.
+    """Step 2: the recurrence over chunks, c sequential steps.
 
     S_0 = initial_states (or zeros);  S_{i+1} = exp(chunk_decay_i) S_i + states_i,  where chunk_decay_i is the
     total log-decay a summed over chunk i. S_i is the state entering chunk i; S_c is the final state.
@@ -275,7 +275,7 @@ def state_passing(states, chunk_decay, initial_states=None):
 
 
 def chunk_state_outputs(C, entering, a):
-    """Step 4: what the state entering each chunk adds to that chunk's outputs.
+    """Step 3, second part: what the state entering each chunk adds to that chunk's outputs.
 
     Y_off[c, t] = exp(a_0 + … + a_t) S_c C_t, the decay from the chunk's start to step t (inclusive).
     C: (b, c, q, h, n); entering: (b, c, h, p, n); a: (b, c, q, h) -> (b, c, q, h, p).
@@ -285,14 +285,16 @@ def chunk_state_outputs(C, entering, a):
 
 
 def ssd_chunked(x, dt, A, B, C, chunk_size, initial_states=None):
-    """The SSD algorithm: steps 1-4 over chunks of ``chunk_size`` (q) steps. No D, no z.
+    """The SSD algorithm over chunks of ``chunk_size`` (q) steps, numbered as the kernels number them
+    (:mod:`mambalab.kernels.ssd`): step 0 splits into chunks and sums the log-decays, 1 the chunk states, 2 the
+    recurrence over chunks, 3 the outputs (inside each chunk, then from the entering state). No D, no z.
 
     Same arguments and results as :func:`ssd_recurrent`, plus the chunk size; any l works (padded inside).
     """
     l = x.shape[1]
-    x, dt, a, B, C = split_into_chunks(x, dt, A, B, C, chunk_size)            # (b, c, q, ...)
-    y_diag = chunk_diagonal_outputs(x, dt, a, B, C)                           # (b, c, q, h, p)
+    x, dt, a, B, C = split_into_chunks(x, dt, A, B, C, chunk_size)            # step 0: (b, c, q, ...)
     states = chunk_states(x, dt, a, B)                                        # (b, c, h, p, n)
+    y_diag = chunk_diagonal_outputs(x, dt, a, B, C)                           # (b, c, q, h, p)
     entering, final = state_passing(states, a.sum(dim=2), initial_states)     # (b, c, h, p, n), (b, h, p, n)
     y_off = chunk_state_outputs(C, entering, a)                               # (b, c, q, h, p)
     y = (y_diag + y_off).flatten(1, 2)[:, :l]                                 # (b, l, h, p): padding cropped
