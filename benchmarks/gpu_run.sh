@@ -8,7 +8,9 @@
 #            ssd-sweep (tile configurations), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
 #            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size), gen-tests (generation
 #            and checkpoints, CUDA-graph decoding included), generation (bench_generation.py against mamba-ssm's
-#            generate), decode-b64 (the Mamba-3 decode step at batch 64: time and achieved bandwidth),
+#            generate), decode-b64 (the Mamba-3 decode step at batch 64: time and achieved bandwidth), upstream
+#            (mamba-ssm's own tests against mambalab, upstream sizes), ssd-varlen-bench (8 packed sequences against
+#            mamba_chunk_scan_combined with seq_idx),
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
 #            for tilelang-a, then .carry/tilelang-b with .whl for tilelang-b in the next call, while the machine
@@ -77,7 +79,12 @@ for step in "$@"; do
     gpu-tests) timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs -k "gpu or GPU or cuda" \
                  tests/test_ssd_kernels.py tests/test_ssd_backward.py tests/test_mamba3_kernels.py tests/test_mamba3_module.py \
                  tests/test_determinism.py tests/test_determinism_kernels.py tests/test_determinism_plots.py tests/test_train.py \
+                 tests/test_ssd_varlen.py tests/test_generate.py tests/test_inference_plots.py \
                  >"$OUT/gpu-tests.log" 2>&1; tail -8 "$OUT/gpu-tests.log" ;;
+    upstream) ext_ready; timeout "${UPSTREAM_T:-400}" python3 -m pytest -q -p no:cacheprovider -rs tests/upstream \
+                >"$OUT/upstream.log" 2>&1; tail -6 "$OUT/upstream.log" ;;
+    ssd-varlen-bench) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic \
+                        --out "$OUT/ssd_varlen.json" >"$OUT/ssd-varlen-bench.log" 2>&1; tail -6 "$OUT/ssd-varlen-bench.log" ;;
     tp-bench) timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
               timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
