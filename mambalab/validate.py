@@ -15,17 +15,21 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 T = TypeVar("T")
 
 
-def tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
-    """``x`` must be a real floating tensor of one of ``dtypes``."""
+def _tensor_of(name: str, x, dtypes: Iterable[torch.dtype]) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.is_complex():
-        raise TypeError(f"{name} must be real; complex tensors ({x.dtype}) are not supported")
     dtypes = tuple(dtypes)
     if x.dtype not in dtypes:
         names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} must have dtype {names}; got {str(x.dtype).replace('torch.', '')}")
     return x
+
+
+def tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = FLOAT_DTYPES) -> torch.Tensor:
+    """``x`` must be a real floating tensor of one of ``dtypes``."""
+    if isinstance(x, torch.Tensor) and x.is_complex():
+        raise TypeError(f"{name} must be real; complex tensors ({x.dtype}) are not supported")
+    return _tensor_of(name, x, dtypes)
 
 
 def shape(name: str, x: torch.Tensor, expected: Sequence[int | None], meaning: str) -> None:
@@ -105,13 +109,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def index_tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = INDEX_DTYPES) -> torch.Tensor:
     """``x`` must be an integer tensor (positions or indices) of one of ``dtypes``."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    dtypes = tuple(dtypes)
-    if x.dtype not in dtypes:
-        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
-        raise TypeError(f"{name} must have dtype {names}; got {str(x.dtype).replace('torch.', '')}")
-    return x
+    return _tensor_of(name, x, dtypes)
 
 
 class Nondecreasing:

@@ -43,6 +43,20 @@ def run(fn, inp, dout, dfinal, **kw):
     return out.detach(), final.detach(), {k: v.grad for k, v in leaves.items() if v is not None}
 
 
+def compare_with_reference(inp, seq, dout, dfinal, reduction, method):
+    """The op with seq_idx against ssd_ref's ``method`` form on the CPU (out, final state, every gradient);
+    returns the op's (out, final, gradients)."""
+    got = run(ssd_chunk_scan, inp, dout, dfinal, seq_idx=seq, reduction=reduction)
+    ref = lambda *a, **kw: ssd_ref(*a, method=method, **kw)
+    cpu = {k: v.cpu() if v is not None else None for k, v in inp.items()}
+    want, want_final, want_g = run(ref, cpu, dout.cpu(), dfinal.cpu(), seq_idx=seq.cpu())
+    assert_close(got[0], want, "out")
+    assert_close(got[1], want_final, "final_states")
+    for k, v in want_g.items():
+        assert_close(got[2][k], v, f"d{k}")
+    return got
+
+
 def split(t, lengths):
     return t.split(list(lengths), dim=1)
 
@@ -127,14 +141,7 @@ def test_boundaries_at_every_position_of_a_chunk():
     gen = torch.Generator().manual_seed(5)
     dout = torch.randn(rows, l, 2, 8, generator=gen).to(KERNEL_DEVICE)
     dfinal = torch.randn(rows, 2, 8, 16, generator=gen).to(KERNEL_DEVICE)
-    out, final, g = run(ssd_chunk_scan, inp, dout, dfinal, seq_idx=seq, reduction="deterministic")
-    ref = lambda *a, **kw: ssd_ref(*a, method="quadratic", **kw)
-    cpu = {k: v.cpu() if v is not None else None for k, v in inp.items()}
-    want, want_final, want_g = run(ref, cpu, dout.cpu(), dfinal.cpu(), seq_idx=seq.cpu())
-    assert_close(out, want, "out")
-    assert_close(final, want_final, "final_states")
-    for k, v in want_g.items():
-        assert_close(g[k], v, f"d{k}")
+    compare_with_reference(inp, seq, dout, dfinal, "deterministic", "quadratic")
 
 
 def test_deterministic_mode_repeats_bit_for_bit(packed_inputs):
@@ -155,14 +162,7 @@ def test_initial_states_belong_to_sequence_zero_only():
     gen = torch.Generator().manual_seed(7)
     dout = torch.randn(2, 24, 2, 8, generator=gen).to(KERNEL_DEVICE)
     dfinal = torch.randn(2, 2, 8, 16, generator=gen).to(KERNEL_DEVICE)
-    out, final, g = run(ssd_chunk_scan, inp, dout, dfinal, seq_idx=seq, reduction="atomic")
-    ref = lambda *a, **kw: ssd_ref(*a, method="recurrent", **kw)
-    cpu = {k: v.cpu() if v is not None else None for k, v in inp.items()}
-    want, want_final, want_g = run(ref, cpu, dout.cpu(), dfinal.cpu(), seq_idx=seq.cpu())
-    assert_close(out, want, "out")
-    assert_close(final, want_final, "final_states")
-    for k, v in want_g.items():
-        assert_close(g[k], v, f"d{k}")
+    out, _, g = compare_with_reference(inp, seq, dout, dfinal, "atomic", "recurrent")
     assert torch.count_nonzero(g["initial_states"][1]) == 0
     with torch.no_grad():
         fwd = ssd_chunk_scan_forward(*(inp[k] for k in NAMES[:5]), Q, *(inp[k] for k in NAMES[5:]), seq, None,
