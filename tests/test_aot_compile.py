@@ -90,6 +90,15 @@ def _mamba3(r, dtype=torch.bfloat16, p=16, n=16, a=4, chunk=None):
     _backward(mamba3_chunk_scan(**x, chunk_size=chunk, return_final_state=True)[0])
 
 
+def _mamba3_packed(r, dtype=torch.bfloat16, p=16, n=16, a=4, chunk=None, reduction=None):
+    chunk = chunk or (16 if r == 1 else 8)
+    x = make_mamba3_inputs(1, 3 * chunk, 4, p, 2, n, r, a, dtype=dtype)
+    cu = torch.tensor([0, 1, chunk + 3, 2 * chunk, 3 * chunk], dtype=torch.int32)
+    _backward(mamba3_chunk_scan(**_leaves(x), chunk_size=chunk, reduction=reduction, cu_seqlens=cu))
+    with torch.no_grad():   # the per-sequence final states
+        mamba3_chunk_scan(**x, chunk_size=chunk, return_final_state=True, cu_seqlens=cu)
+
+
 def _mamba3_step(r, dtype=torch.bfloat16, p=16, n=16, a=4):
     x = make_mamba3_inputs(2, 1, 4, p, 2, n, r, a, dtype=dtype)
     token = {k: (t[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else t) for k, t in x.items()}
@@ -126,6 +135,9 @@ CASES = {
     "mamba3_chunk_scan-r4": lambda: _mamba3(4),
     "mamba3_chunk_scan-r4-fp32": lambda: _mamba3(4, torch.float32),
     "mamba3_chunk_scan-r4-gpu-tiles": lambda: _mamba3(4, p=64, n=128, a=32, chunk=16),
+    "mamba3_chunk_scan-r1-packed": lambda: _mamba3_packed(1),
+    "mamba3_chunk_scan-r4-packed-atomic": lambda: _mamba3_packed(4, reduction="atomic"),
+    "mamba3_chunk_scan-r4-packed-gpu-tiles": lambda: _mamba3_packed(4, p=64, n=128, a=32, chunk=16),
     "mamba3_step-r1": lambda: _mamba3_step(1),
     "mamba3_step-r4": lambda: _mamba3_step(4),
     "mamba3_step-r4-gpu-tiles": lambda: _mamba3_step(4, p=64, n=128, a=32),

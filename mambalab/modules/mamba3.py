@@ -267,33 +267,38 @@ class Mamba3(nn.Module):
                 initial_state: Mamba3State | None = None, return_final_state: bool = False):
         """u (b, l, d_model) -> out (b, l, d_model), or (out, final_state) with ``return_final_state``.
 
-        seq_idx, cu_seqlens: packed variable-length sequences; not implemented (must be None).
+        cu_seqlens: packed variable-length sequences, as mamba-ssm's Mamba3 takes them: u (1, l, d_model) holds
+            the sequences end to end, (num_seqs + 1,) integers 0 = cu_0 < … < cu_S = l mark where each starts;
+            each runs as if alone, from a zero state or its own initial_state, and final states
+            (return_final_state, inference_params) are per sequence: num_seqs leading in place of b.
+        seq_idx: not used (mamba-ssm's Mamba3 reads only cu_seqlens): must be None.
         inference_params: mamba-ssm's ``InferenceParams``: this layer's mamba-ssm-layout state tuple lives in
             its ``key_value_memory_dict[layer_idx]``; at ``seqlen_offset == 0`` the prompt runs from a zero
             state and fills it, after that each call is one :meth:`step` (l = 1).
         initial_state: keyword-only, a :class:`~mambalab.ref.mamba3.Mamba3State` to continue from (e.g. after
             a prefill); final_state is the state after the last position, ready for :meth:`step`.
         """
-        for name, value in (("seq_idx", seq_idx), ("cu_seqlens", cu_seqlens)):
-            if value is not None:
-                raise NotImplementedError(f"{name}: packed variable-length sequences are not implemented in "
-                                          f"mambalab's Mamba3 yet; pass {name}=None")
+        if seq_idx is not None:
+            raise NotImplementedError("seq_idx: Mamba3 takes packed sequences through cu_seqlens (num_seqs + 1,), "
+                                      "as mamba-ssm's Mamba3 does; pass seq_idx=None")
         if u.dim() != 3 or u.shape[-1] != self.d_model:
             raise ValueError(f"u must have shape (b, l, d_model={self.d_model}); got {tuple(u.shape)}")
         if inference_params is not None:
             if initial_state is not None or return_final_state:
                 raise ValueError("inference_params keeps the state itself: pass neither initial_state nor "
                                  "return_final_state with it")
-            cache = self._get_states_from_cache(inference_params, u.shape[0])
+            cache = self._get_states_from_cache(inference_params, u.shape[0] if cu_seqlens is None
+                                                else cu_seqlens.shape[0] - 1)   # a state per sequence
             if inference_params.seqlen_offset > 0:
                 return self.step(u, *cache)[0]
-            out, state = self.forward(u, return_final_state=True)
+            out, state = self.forward(u, cu_seqlens=cu_seqlens, return_final_state=True)
             self._write_cache(state, cache)
             return out
         chunk_scan, _ = scan_functions(self.backend, self.reduction)
         projected = self.in_proj(u)
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
         y = chunk_scan(**self.scan_inputs(projected), initial_state=initial_state,
-                       return_final_state=return_final_state, chunk_size=self.chunk_size)
+                       return_final_state=return_final_state, chunk_size=self.chunk_size, **packed)
         y, state = y if return_final_state else (y, None)                        # (b, l, h, p)
         y = y.flatten(-2)                                                        # (b, l, d)
         if self.is_outproj_norm:

@@ -12,6 +12,11 @@
   the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
+Packed sequences (``cu_seqlens``, mamba-ssm's argument): the angle cumsum restarts at each boundary, σ drops
+the next sequence's β at a sequence's last step, and the SSD kernels mask with the rank-expanded seq_idx
+(:mod:`mambalab.kernels.mamba3.chunk_scan`); per-sequence initial states, and final states that need a
+gradient, are a few PyTorch einsums per sequence around the kernels (:func:`_sequence_states`).
+
 Shapes (glossary b l h p g n r a; the full math is in :mod:`mambalab.ref.mamba3`):
     q, k (b, l, r, g, n); v, z (b, l, h, p); adt, dt, trap (b, l, h); q_bias, k_bias (h, r, n);
     angles (b, l, h, a); D (h,); mimo_v, mimo_z, mimo_o (h, r, p) (required when r > 1, absent when r = 1);
@@ -90,20 +95,21 @@ class AngleFn(torch.autograd.Function):
     ``angle_cumsum_bwd``.
 
     angles (b, l, h, a) fp32 (any strides); dt (b, l, h) fp32 contiguous; initial (b, h, a) fp32 contiguous or
-    None -> theta (b, l, h, a) fp32, contiguous.
+    None; seq_idx (b, l) int32 contiguous or None (packed sequences: θ restarts at each, no initial) -> theta
+    (b, l, h, a) fp32, contiguous.
     """
 
     @staticmethod
-    def forward(ctx, angles, dt, initial):
+    def forward(ctx, angles, dt, initial, seq_idx=None):
         angles = angles if angles.stride(-1) == 1 else angles.contiguous()
-        ctx.save_for_backward(angles, dt)
+        ctx.save_for_backward(angles, dt, seq_idx)
         ctx.has_init = initial is not None
-        return _kernels.angle_cumsum_fwd(angles, dt, initial)
+        return _kernels.angle_cumsum_fwd(angles, dt, initial, seq_idx)
 
     @staticmethod
     def backward(ctx, dtheta):
-        angles, dt = ctx.saved_tensors
-        return _kernels.angle_cumsum_bwd(dtheta.contiguous(), angles, dt, ctx.has_init)
+        angles, dt, seq_idx = ctx.saved_tensors
+        return (*_kernels.angle_cumsum_bwd(dtheta.contiguous(), angles, dt, ctx.has_init, seq_idx), None)
 
 
 class Mamba3ScanFn(torch.autograd.Function):
@@ -119,16 +125,22 @@ class Mamba3ScanFn(torch.autograd.Function):
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
-    initial (b, h, p, n) fp32 or None -> (y (b, l·r, h, p) in x's dtype, D x included, final (b, h, p, n)
-    fp32). The SSD's B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
+    initial (b, h, p, n) fp32 or None; seq_idx (b, l) int32 or None and cu_seqlens (num_seqs + 1,) int32 or None
+    (packed sequences, :mod:`mambalab.kernels.mamba3.chunk_scan`) -> (y (b, l·r, h, p) in x's dtype, D x
+    included, final (b, h, p, n) fp32, or (num_seqs, h, p, n) with cu_seqlens, without a gradient). The SSD's
+    B = k̂ and C = q̂ are (b, l·r, h, n) in x's dtype.
     """
 
     @staticmethod
-    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, initial, r, chunk_size, reduction):
+    def forward(ctx, q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, initial, r, chunk_size, reduction,
+                seq_idx=None, cu_seqlens=None):
         q_hat, k_hat = _kernels.rotary_qk_fwd(q, k, q_bias, k_bias, theta, x.dtype)   # one launch, (b, l, r, h, n)
         C, B = q_hat.flatten(1, 2), k_hat.flatten(1, 2)                           # q̂, k̂ (b, l·r, h, n)
-        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r, chunk_size)
-        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, D, fwd.delta, fwd.cs, fwd.same, fwd.entering)
+        fwd = _kernels.mamba3_scan_fwd(B, C, x, adt, sigma, gamma, D, initial, r, chunk_size, seq_idx, cu_seqlens)
+        ctx.save_for_backward(q, k, q_bias, k_bias, theta, B, C, x, D, fwd.delta, fwd.cs, fwd.same, fwd.entering,
+                              fwd.seq_idx)
+        if cu_seqlens is not None:
+            ctx.mark_non_differentiable(fwd.final)   # per-sequence states: the op forms them when a gradient must flow
         ctx.tiles, ctx.r, ctx.l = fwd.tiles, r, adt.shape[1]
         ctx.has_init, ctx.reduction = initial is not None, reduction
         ctx.set_materialize_grads(False)
@@ -136,16 +148,16 @@ class Mamba3ScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        q, k, q_bias, k_bias, theta, B, C, x, D, delta, cs, same, entering = ctx.saved_tensors
+        q, k, q_bias, k_bias, theta, B, C, x, D, delta, cs, same, entering, seq = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy.to(x.dtype).contiguous()
-        dfinal = None if dfinal is None else dfinal.float().contiguous()
-        fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, same, entering, ctx.tiles)
+        dfinal = None if dfinal is None or seq is not None else dfinal.float().contiguous()
+        fwd = _kernels.Mamba3ScanForward(None, None, delta, cs, same, entering, ctx.tiles, seq)
         g = _kernels.mamba3_scan_bwd(dy, dfinal, fwd, B, C, x, D, ctx.l, ctx.r, ctx.has_init, ctx.reduction)
         ranks = lambda t: t.view(*q.shape[:3], *t.shape[2:])                    # (b, l·r, ...) -> (b, l, r, ...)
         dq, dk, dq_bias, dk_bias, dtheta = _kernels.rotary_qk_bwd(ranks(g.dC), ranks(g.dB), q, k, q_bias, k_bias,
                                                                    theta)   # dC, dB as they are
         return (dq.to(q.dtype), dk.to(k.dtype), dq_bias, dk_bias, dtheta, g.dx, g.dadt, g.dsigma, g.dgamma, g.dD,
-                g.dinitial, None, None, None)
+                g.dinitial, None, None, None, None, None)
 
 
 class RankInputsFn(torch.autograd.Function):
@@ -179,8 +191,80 @@ class RankOutputsFn(torch.autograd.Function):
         return _kernels.rank_outputs_bwd(dout.contiguous(), *ctx.saved_tensors)   # (dy, dz, dwz, dwo)
 
 
+def _packed(cu_seqlens, v, sizes, initial_state):
+    """Check ``cu_seqlens`` (read back: it is small) and the per-sequence ``initial_state`` -> (seq_idx (1, l)
+    int32, each step's sequence; the bounds [cu_0, …, cu_S] as ints)."""
+    b, l, h, p, g, n, r, a = sizes
+    validate.index_tensor("cu_seqlens", cu_seqlens)
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1; got "
+                         f"{tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != v.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but v is on {v.device}; all inputs must be on the "
+                         "same device")
+    if b != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) lie along l of one batch row; got b = {b} (v.shape[0])")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != l or any(e <= s for s, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, increase strictly (no empty sequence) and end at l = {l}; "
+                         f"got {bounds}")
+    S = len(bounds) - 1
+    if initial_state is not None:   # one state per sequence
+        if not isinstance(initial_state, Mamba3State):
+            raise TypeError(f"initial_state must be a Mamba3State; got {type(initial_state).__name__}")
+        for name, t, shp, meaning in zip(initial_state._fields, initial_state,
+                                         ((S, h, a), (S, h, p, n), (S, h, r, n), (S, h, p)),
+                                         ("(num_seqs, h, a)", "(num_seqs, h, p, n)", "(num_seqs, h, r, n)",
+                                          "(num_seqs, h, p)")):
+            validate.tensor(f"initial_state.{name}", t)
+            validate.shape(f"initial_state.{name}", t, shp, meaning)
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    seq = torch.arange(S, device=v.device, dtype=torch.int32)
+    return torch.repeat_interleave(seq, lengths, output_size=l)[None], bounds   # (1, l)
+
+
+def _sequence_states(y, final, q, k, q_bias, k_bias, theta, x, adt, dt, trap, sigma, initial_state, mimo_v, bounds,
+                     r, own_final):
+    """What the SSD kernels leave to PyTorch in packed mode (autograd differentiates it): each sequence's
+    initial state, and the final states when a gradient must flow from them.
+
+    Per sequence s (steps f … e), with A_t = Σ_{f ≤ t' ≤ t} A_t'Δ_t' (an fp64 cumsum) and H̃^s its entering
+    state (:func:`~mambalab.ref.mamba3.entering_state` at step f):
+
+        y_{t,r} += exp(A_t) H̃^s q̂_{t,r}                                       (initial_state)
+        H^s_final = Σ_{t, r} exp(A_e - A_t) σ_t x_{t,r} k̂_{t,r}ᵀ  [+ exp(A_e) H̃^s]   (own_final; else the kernels')
+
+    One einsum per sequence, O(l h p n) in all. y (1, l·r, h, p); final (num_seqs, h, p, n) from the kernels
+    or None; q, k (1, l, r, g, n); theta (1, l, h, a); x (1, l·r, h, p); adt, dt, trap, sigma (1, l, h).
+    Returns (y, final (num_seqs, h, p, n) fp32)."""
+    _, L, h, p = y.shape
+    acum = adt[0].double().cumsum(0)                                          # (l, h)
+    q_hat = None if initial_state is None else biased_rotated(q.float(), q_bias, theta)[0]   # (l, r, h, n)
+    k_hat = biased_rotated(k.float(), k_bias, theta)[0] if own_final else None
+    if initial_state is not None:
+        first = torch.tensor(bounds[:-1], device=dt.device)
+        entering = entering_state(initial_state, dt[0, first, None], trap[0, first, None], mimo_v)   # (S, h, p, n)
+    ys, finals = [], []
+    for i, (s, e) in enumerate(zip(bounds, bounds[1:])):
+        A = (acum[s:e] - (acum[s - 1] if s else 0)).float()                 # (e - s, h)
+        if initial_state is not None:
+            ys.append(torch.einsum("trhn,hpn->trhp", q_hat[s:e], entering[i]) * A.exp()[:, None, :, None])
+        if final is None and not own_final:
+            continue
+        F_ = final[i] if not own_final else torch.einsum(
+            "trhp,trhn->hpn", x[0, s * r:e * r].float().view(e - s, r, h, p)
+            * ((A[-1] - A).exp() * sigma[0, s:e])[:, None, :, None], k_hat[s:e])
+        if initial_state is not None:
+            F_ = F_ + A[-1].exp()[:, None, None] * entering[i]
+        finals.append(F_)
+    if ys:
+        y = y + torch.cat(ys).reshape(1, L, h, p).to(y.dtype)
+    return y, (torch.stack(finals) if finals else None)
+
+
 def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
-                      mimo_o=None, initial_state=None, return_final_state=False, chunk_size=64, reduction=None):
+                      mimo_o=None, initial_state=None, return_final_state=False, chunk_size=64, reduction=None,
+                      cu_seqlens=None):
     """Mamba-3's scan with gradients: the arguments and results of :func:`mambalab.ref.mamba3.mamba3_chunked`.
 
     Per head (module docstring of :mod:`mambalab.ref.mamba3` for the rest):
@@ -200,6 +284,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     turns (i, i + n/2): to compute its function, pass q, k, q_bias, k_bias indexed by
     :func:`mambalab.ref.mamba3.halves_order` on their last axis, as :class:`mambalab.modules.Mamba3` does.
 
+    cu_seqlens: packed sequences (mamba-ssm's ``cu_seqlens``): (num_seqs + 1,) integers, 0 = cu_0 < cu_1 < … <
+        cu_S = l, with b = 1; sequence i is steps cu_i … cu_{i+1} - 1. Each runs as if alone: from a zero state
+        (H, θ and the previous k, v of the trapezoid) or from its own initial_state, whose tensors then have
+        num_seqs in place of b, as the final state's do (mamba-ssm's layout).
+
     Returns out (b, l, h, p) in v's dtype, or (out, final state). Inputs fp32/fp16/bf16: q, k, v, z are read
     in their dtype on a GPU (fp32 on the CPU interpreter), q̂, k̂ and the scan's inputs written in v's dtype;
     step sizes and their weights γ, σ, angles, biases, W's and the state are fp32. The within-step terms (a
@@ -211,8 +300,13 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     tensors = (*args, *(initial_state if isinstance(initial_state, Mamba3State) else ()))
     backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-    b, l, h, p, g, n, r, a = _checked(args, initial_state, per_token=False, chunk_size=chunk_size,
-                                      backward=backward)
+    sizes = _checked(args, initial_state if cu_seqlens is None else None, per_token=False, chunk_size=chunk_size,
+                     backward=backward)
+    b, l, h, p, g, n, r, a = sizes
+    seq_idx, bounds = (None, None) if cu_seqlens is None else _packed(cu_seqlens, v, sizes, initial_state)
+    # packed: the kernels run every sequence from zero; PyTorch adds the initial states (and forms final states
+    # that need a gradient), :func:`_sequence_states`
+    own_final = seq_idx is not None and return_final_state and backward
     dt_finite = validate.Finite("dt", dt)   # queued here, waited for just before the first launch
     dtype_in = v.dtype
     kd = _device.compute_dtype(dtype_in, v.device)
@@ -226,9 +320,12 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
 
     dt_finite.check()
     theta = AngleFn.apply(angles, dt.contiguous(),
-                          None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
-    gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
-    entering0 = entering_state(initial_state, dt, trap, mimo_v)
+                          None if initial_state is None or seq_idx is not None else initial_state.angle.contiguous(),
+                          seq_idx)                                            # (b, l, h, a)
+    if seq_idx is not None and initial_state is not None:
+        theta = theta + initial_state.angle[seq_idx[0].long()][None]          # each sequence's θ_{-1}
+    gamma, sigma = step_weights(dt, trap, seq_idx)                            # (b, l, h)
+    entering0 = entering_state(initial_state, dt, trap, mimo_v) if seq_idx is None else None
     mimo = mimo_v is not None
     T = b * l
     # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
@@ -239,7 +336,11 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
                                   x, adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
                                   None if D is None else D.contiguous(),
-                                  None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction)
+                                  None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction,
+                                  seq_idx, None if cu_seqlens is None or own_final else cu_seqlens.to(torch.int32))
+    if seq_idx is not None and (initial_state is not None or own_final):
+        y, final = _sequence_states(y, final if return_final_state and not own_final else None, q, k, q_bias,
+                                    k_bias, theta, x, adt, dt, trap, sigma, initial_state, mimo_v, bounds, r, own_final)
     if mimo or z is not None:
         out = RankOutputsFn.apply(y.view(T, r, h, p), None if z is None else z.reshape(T, h, p).contiguous(),
                                   None if mimo_z is None else mimo_z.contiguous(),
@@ -249,8 +350,13 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     out = out.view(b, l, h, p).to(dtype_in)
     if not return_final_state:
         return out
-    k_last = biased_rotated(k[:, -1].float(), k_bias, theta[:, -1]).transpose(1, 2)   # (b, h, r, n) in fp32
-    return out, Mamba3State(wrap_angle(theta[:, -1]), final, k_last, v[:, -1].float())
+    if cu_seqlens is None:
+        rows, last = slice(None), -1                                          # every batch row's last step
+    else:
+        rows, last = 0, cu_seqlens[1:].long() - 1                             # every sequence's last step
+    theta_last = theta[rows, last]                                            # (b or num_seqs, h, a)
+    k_last = biased_rotated(k[rows, last].float(), k_bias, theta_last).transpose(1, 2)   # (·, h, r, n) in fp32
+    return out, Mamba3State(wrap_angle(theta_last), final, k_last, v[rows, last].float())
 
 
 def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,

@@ -364,10 +364,16 @@ def mamba3_quadratic(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=N
 
 
 # ---------------------------------------------------------------------------------------------- chunked form
-def step_weights(dt, trap):
-    """γ_t = λ_t Δ_t and σ_t = γ_t + (1 - λ_{t+1}) Δ_{t+1} (0 past the last step). dt, trap: (b, l, h)."""
+def step_weights(dt, trap, seq_idx=None):
+    """γ_t = λ_t Δ_t and σ_t = γ_t + (1 - λ_{t+1}) Δ_{t+1} (0 past the last step). dt, trap: (b, l, h).
+
+    seq_idx (b, l) or None: packed sequences; the second term is 0 also at a sequence's last step (t + 1
+    starts the next sequence, whose previous k, v are zero)."""
     gamma = trap * dt
     shifted = F.pad(((1 - trap) * dt)[:, 1:], (0, 0, 0, 1))                   # (b, l, h): β_{t+1} / α_{t+1}
+    if seq_idx is not None:
+        same = F.pad(seq_idx[:, 1:] == seq_idx[:, :-1], (0, 1))               # (b, l): t + 1 in t's sequence
+        shifted = shifted * same[..., None]
     return gamma, gamma + shifted
 
 
@@ -462,16 +468,23 @@ def correction_coefficients(scores, gamma, sigma):
 
 
 def mamba3_chunked(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
-                   mimo_o=None, initial_state=None, return_final_state=False, chunk_size=64):
+                   mimo_o=None, initial_state=None, return_final_state=False, chunk_size=64, cu_seqlens=None):
     """The chunked (SSD) form: same arguments and results as :func:`mamba3_recurrent`, plus ``chunk_size``
     (steps per chunk, a power of two; the rank-expanded SSD works on chunks of chunk_size · r positions).
+
+    cu_seqlens: packed sequences, (num_seqs + 1,) with b = 1: sequence i is steps cu_i … cu_{i+1} - 1, each run
+    alone, from zero or from its own initial state; initial and final states have num_seqs leading.
 
     Steps: bias and rotate q, k (:func:`prepare`); expand the ranks (:func:`expand_ranks`); the four steps of
     :func:`mambalab.ref.ssd.ssd_chunked` with weight σ and decay adt; add :func:`within_step_correction`
     (its scores from :func:`within_step_scores`); D, gate and W^O (:func:`rank_outputs`).
     """
     b, l, h, p, g, n, r, a = check_inputs(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
-                                          mimo_o, initial_state, chunk_size=chunk_size)
+                                          mimo_o, initial_state if cu_seqlens is None else None,
+                                          chunk_size=chunk_size)
+    if cu_seqlens is not None:   # (each sequence's initial state is checked by its own call)
+        return _packed_chunked(cu_seqlens, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z,
+                               mimo_o, initial_state, return_final_state, chunk_size)
     dtype_in, cd, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o) = _cast_inputs(
         q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     if initial_state is not None:
@@ -501,3 +514,27 @@ def mamba3_chunked(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=Non
     # σ_{l-1} = γ_{l-1} (nothing after the last step), so the SSD's final state is H_{l-1} itself.
     state = Mamba3State(wrap_angle(theta[:, -1]), final, k_hat[:, -1].transpose(1, 2), v[:, -1])
     return out, state
+
+
+def _packed_chunked(cu_seqlens, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o,
+                    initial_state, return_final_state, chunk_size):
+    """:func:`mamba3_chunked` over packed sequences: each slice of l run alone, outputs concatenated along l
+    and final states stacked along a new leading axis (num_seqs)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"packed sequences (cu_seqlens) lie along l of one batch row; got b = {q.shape[0]}")
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(e <= s for s, e in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, increase strictly and end at l = {q.shape[1]}; got {bounds}")
+    per_step = (q, k, v, adt, dt, trap, angles, z)
+    outs, states = [], []
+    for s, e in zip(bounds, bounds[1:]):
+        q_, k_, v_, adt_, dt_, trap_, angles_, z_ = (None if t is None else t[:, s:e] for t in per_step)
+        init = None if initial_state is None else Mamba3State(*(t[len(outs):len(outs) + 1] for t in initial_state))
+        res = mamba3_chunked(q_, k_, v_, adt_, dt_, trap_, q_bias, k_bias, angles_, D, z_, mimo_v, mimo_z, mimo_o,
+                             initial_state=init, return_final_state=True, chunk_size=chunk_size)
+        outs.append(res[0])
+        states.append(res[1])
+    out = torch.cat(outs, dim=1)                                              # (1, l, h, p)
+    if not return_final_state:
+        return out
+    return out, Mamba3State(*(torch.cat(parts, dim=0) for parts in zip(*states)))

@@ -1,6 +1,7 @@
 """Mamba-3's kernels: the chunked scan as a rank-expanded SSD, and the decode step.
 
-    angle_cumsum  the cumulative rotary angle θ = θ_{-1} + cumsum(angles ⊙ Δ) along l (+ backward)
+    angle_cumsum  the cumulative rotary angle θ = θ_{-1} + cumsum(angles ⊙ Δ) along l, restarting at packed
+                  sequences' boundaries (+ backward)
     rotary        q̂ and k̂ in one launch: per-head bias and rotation by θ (cos, sin once for both), into the
                   rank-expanded layout (+ backward, one launch, dθ written once)
     rank_inputs   MIMO's rank inputs v ⊙ W^V_r in one pass (+ backward: dv and dW^V in one)
