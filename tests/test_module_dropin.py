@@ -85,13 +85,13 @@ def test_arguments_that_cannot_be_honoured_fail_naming_themselves():
     u = torch.randn(1, 4, D_MODEL)
     with pytest.raises(NotImplementedError, match="seq_idx"):
         m3(u, seq_idx=torch.zeros(1, 4, dtype=torch.int32))
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        m3(u, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32))
-    # Mamba2 takes packed sequences (tests/test_ssd_varlen.py) and names bad ones
+    # both blocks take packed sequences (tests/test_ssd_varlen.py, tests/test_mamba3_varlen_ours.py) and name bad ones
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        m3(u, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="seq_idx"):
         m2(u, seq_idx=torch.zeros(1, 3, dtype=torch.int32))
     with pytest.raises(ValueError, match="cu_seqlens"):
-        m2(u, cu_seqlens=torch.tensor([0, 3], dtype=torch.int32))
+        m2(u, cu_seqlens=torch.tensor([0, 5], dtype=torch.int32))
     for block in (Mamba1(D_MODEL), m2, m3):
         with pytest.raises(ValueError, match="layer_idx"):
             block(u, inference_params=InferenceParams(max_seqlen=8, max_batch_size=1))
