@@ -112,6 +112,19 @@ def index_tensor(name: str, x, *, dtypes: Iterable[torch.dtype] = INDEX_DTYPES) 
     return _tensor_of(name, x, dtypes)
 
 
+def cu_seqlens(x, like_name: str, like: torch.Tensor) -> list[int]:
+    """``x`` must be packed sequences' bounds: an integer (num_seqs + 1,) tensor, num_seqs >= 1, on the device
+    of ``like`` (named ``like_name``). Returns them as ints (read back: the tensor is small); the rules on their
+    values are each op's."""
+    index_tensor("cu_seqlens", x)
+    if x.dim() != 1 or x.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1; got {tuple(x.shape)}")
+    if x.device != like.device:
+        raise ValueError(f"cu_seqlens is on {x.device} but {like_name} is on {like.device}; all inputs must be on "
+                         "the same device")
+    return x.tolist()
+
+
 class Nondecreasing:
     """The check that the sequence indices ``x`` never decrease along its last axis, negative ones (padding, as
     mamba-ssm's -1) left out: each index at least every nonnegative one before it. In two halves as

@@ -195,16 +195,9 @@ def _packed(cu_seqlens, v, sizes, initial_state):
     """Check ``cu_seqlens`` (read back: it is small) and the per-sequence ``initial_state`` -> (seq_idx (1, l)
     int32, each step's sequence; the bounds [cu_0, …, cu_S] as ints)."""
     b, l, h, p, g, n, r, a = sizes
-    validate.index_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1; got "
-                         f"{tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != v.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but v is on {v.device}; all inputs must be on the "
-                         "same device")
+    bounds = validate.cu_seqlens(cu_seqlens, "v", v)
     if b != 1:
         raise ValueError(f"packed sequences (cu_seqlens) lie along l of one batch row; got b = {b} (v.shape[0])")
-    bounds = cu_seqlens.tolist()
     if bounds[0] != 0 or bounds[-1] != l or any(e <= s for s, e in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens must start at 0, increase strictly (no empty sequence) and end at l = {l}; "
                          f"got {bounds}")

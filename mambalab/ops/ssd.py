@@ -56,14 +56,7 @@ def _check_packed(x, seq_idx, cu_seqlens, return_varlen_states):
     if b != 1:
         raise ValueError(f"return_varlen_states=True needs the sequences packed into one batch row, b = 1 "
                          f"(x.shape[0]); got b = {b}")
-    validate.index_tensor("cu_seqlens", cu_seqlens)
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have shape (num_seqs + 1,) with num_seqs >= 1; got "
-                         f"{tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != x.device:
-        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but x is on {x.device}; all inputs must be on "
-                         "the same device")
-    bounds = cu_seqlens.tolist()
+    bounds = validate.cu_seqlens(cu_seqlens, "x", x)
     if bounds[0] != 0 or any(e < s for s, e in zip(bounds, bounds[1:])) or bounds[-1] > l:
         raise ValueError(f"cu_seqlens must start at 0, never decrease and end at most at l = {l}; got {bounds}")
     if seq_idx is None and len(bounds) > 2:
