@@ -12,7 +12,8 @@ mambalab beside the rival it has, so every ratio is within one run.
 sequences of unequal lengths (seeded cuts), ``seq_idx`` and ``cu_seqlens`` given: forward+backward of mambalab
 (deterministic) against mamba_chunk_scan_combined with the same seq_idx, the forward with
 ``return_varlen_states`` for both (mamba-ssm's backward refuses varlen states), mambalab on the same row
-without seq_idx (what the masks cost), and the largest differences from mamba-ssm.
+without seq_idx (what the masks cost), and the largest differences from mamba-ssm. The JSON is written after
+each piece; a piece that fails (the rival's, say) is recorded as {"error": ...} and the rest still run.
 
     python benchmarks/bench_ssd.py --out DIR/ssd_default.json [--mamba-deterministic] [--stages] [--sweep]
                                   [--precompile-rival N] [--varlen N]
@@ -87,35 +88,68 @@ def varlen_lengths(total, count, seed=0):
     return [e - s for s, e in zip(bounds, bounds[1:])]
 
 
-def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps):
-    """One dtype of the ``--varlen`` mode (module docstring)."""
+def attempt(case, key, save, fn):
+    """``case[key] = fn()``, or the error it raised (recorded, not fatal: what was measured before it, and what
+    can be measured after it, still reach the JSON); then ``save()``. Returns whether it worked."""
+    try:
+        case[key] = fn()
+        ok = True
+    except Exception as err:  # noqa: BLE001 - a failing side is recorded beside what the other measured
+        case[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
+        ok = False
+    print(f"  {case['dtype']} {key}: {case[key]}", flush=True)
+    save()
+    return ok
+
+
+def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps, case, save):
+    """One dtype of the ``--varlen`` mode (module docstring), filled into ``case`` (already in the result)
+    piece by piece, ``save()`` after each piece: a rival that fails, or a time limit that stops the run, keeps
+    what was measured."""
     b, l, h, hp, g, n = shape
     lengths = varlen_lengths(b * l, count)
+    case.update(dtype=dname, lengths=lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     seq = torch.repeat_interleave(torch.arange(count, dtype=torch.int32, device="cuda"),
                                   torch.tensor(lengths, device="cuda"))[None]             # (1, b · l)
     x = make(1, b * l, h, hp, g, n, DTYPES[dname])
     dout = torch.randn(1, b * l, h, hp, device="cuda", dtype=DTYPES[dname])
     ours = dict(reduction="deterministic")
-    case = {"dtype": dname, "lengths": lengths,
-            "mambalab_deterministic": measure(fn_ours, x, dout, chunk, reps, seq_idx=seq, **ours),
-            rival: measure(fn_rival, x, dout, chunk, reps, seq_idx=seq),
-            "mambalab_deterministic_no_seq_idx": measure(fn_ours, x, dout, chunk, 1, **ours)}
-    case["ratio_fwd_bwd_deterministic"] = case["mambalab_deterministic"]["fwd_bwd_ms"] / case[rival]["fwd_bwd_ms"]
-    case["ratio_fwd_deterministic"] = case["mambalab_deterministic"]["fwd_ms"] / case[rival]["fwd_ms"]
-    case["masks_cost_fwd_bwd"] = (case["mambalab_deterministic"]["fwd_bwd_ms"]
-                                  / case["mambalab_deterministic_no_seq_idx"]["fwd_bwd_ms"])
+    ok_ours = attempt(case, "mambalab_deterministic", save,
+                      lambda: measure(fn_ours, x, dout, chunk, reps, seq_idx=seq, **ours))
+    ok_plain = attempt(case, "mambalab_deterministic_no_seq_idx", save,
+                       lambda: measure(fn_ours, x, dout, chunk, 1, **ours))
+    ok_rival = attempt(case, rival, save, lambda: measure(fn_rival, x, dout, chunk, reps, seq_idx=seq))
+    if ok_ours and ok_rival:
+        case["ratio_fwd_bwd_deterministic"] = (case["mambalab_deterministic"]["fwd_bwd_ms"]
+                                               / case[rival]["fwd_bwd_ms"])
+        case["ratio_fwd_deterministic"] = case["mambalab_deterministic"]["fwd_ms"] / case[rival]["fwd_ms"]
+    if ok_ours and ok_plain:
+        case["masks_cost_fwd_bwd"] = (case["mambalab_deterministic"]["fwd_bwd_ms"]
+                                      / case["mambalab_deterministic_no_seq_idx"]["fwd_bwd_ms"])
+    save()
     varlen = dict(seq_idx=seq, cu_seqlens=cu, return_varlen_states=True)
+    timed = case["varlen_states_fwd_ms"] = {}
     with torch.no_grad():
-        case["varlen_states_fwd_ms"] = {
-            "mambalab": time_ms(lambda: step(fn_ours, x, dout, chunk, backward=False, **varlen, **ours)),
-            rival: time_ms(lambda: step(fn_rival, x, dout, chunk, backward=False, **varlen))}
-        (o_out, o_states), _ = step(fn_ours, x, dout, chunk, backward=False, **varlen, **ours)
-        (t_out, t_states), _ = step(fn_rival, x, dout, chunk, backward=False, **varlen)
-    case["vs_rival"] = differences(step(fn_ours, x, dout, chunk, seq_idx=seq, **ours),
-                                   step(fn_rival, x, dout, chunk, seq_idx=seq))
-    case["vs_rival"]["max_abs_diff"]["varlen_states"] = (o_states - t_states.float()).abs().max().item()
-    case["vs_rival"]["max_abs_rival"]["varlen_states"] = t_states.float().abs().max().item()
+        for key, fn, kw in (("mambalab", fn_ours, ours), (rival, fn_rival, {})):
+            try:
+                timed[key] = time_ms(lambda: step(fn, x, dout, chunk, backward=False, **varlen, **kw))
+            except Exception as err:  # noqa: BLE001 - recorded, as attempt() does
+                timed[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
+    print(f"  {dname} varlen_states_fwd_ms: {timed}", flush=True)
+    save()
+
+    def compare():
+        with torch.no_grad():
+            (o_out, o_states), _ = step(fn_ours, x, dout, chunk, backward=False, **varlen, **ours)
+            (t_out, t_states), _ = step(fn_rival, x, dout, chunk, backward=False, **varlen)
+        diff = differences(step(fn_ours, x, dout, chunk, seq_idx=seq, **ours),
+                           step(fn_rival, x, dout, chunk, seq_idx=seq))
+        diff["max_abs_diff"]["varlen_states"] = (o_states.float() - t_states.float()).abs().max().item()
+        diff["max_abs_rival"]["varlen_states"] = t_states.float().abs().max().item()
+        return diff
+    if ok_ours and ok_rival:
+        attempt(case, "vs_rival", save, compare)
     return case
 
 
@@ -240,11 +274,12 @@ def main():
                   "options": "dt_softplus, D (h), dt_bias, seq_idx; cu_seqlens with return_varlen_states in "
                              "varlen_states_fwd_ms; no z, no initial states", "cases": []}
         for dname in args.dtypes:
-            case = varlen_case(ssd_chunk_scan, mamba_chunk_scan_combined, rival, args.shape, args.chunk,
-                               args.varlen, dname, args.reps)
-            print(case, flush=True)
+            case = {}
             result["cases"].append(case)
-            write(args.out, result)
+            varlen_case(ssd_chunk_scan, mamba_chunk_scan_combined, rival, args.shape, args.chunk, args.varlen,
+                        dname, args.reps, case, lambda: write(args.out, result, quiet=True))
+            print(case, flush=True)
+        write(args.out, result)
         return
     result = {"benchmark": "ssd_chunk_scan", "rival": rival, "environment": environment(),
               "shape": {"b": b, "l": l, "h": h, "p": hp, "g": g, "n": n, "chunk": args.chunk},

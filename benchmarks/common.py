@@ -125,11 +125,13 @@ def environment() -> dict:
     }
 
 
-def write(path: str | Path, payload: dict) -> None:
+def write(path: str | Path, payload: dict, quiet: bool = False) -> None:
+    """``payload`` as JSON at ``path`` (its folder made); says so unless ``quiet`` (a partial write)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def median(xs):

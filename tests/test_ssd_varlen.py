@@ -34,10 +34,10 @@ def cu_seqlens_of(lengths, device=KERNEL_DEVICE):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
 
 
-def run(fn, inp, dout, dfinal, **kw):
+def run(fn, inp, dout, dfinal, chunk=Q, **kw):
     """(out, final, gradients of <out, dout> + <final, dfinal> for every input given) through ``fn``."""
     leaves = {k: (v.detach().clone().requires_grad_() if v is not None else None) for k, v in inp.items()}
-    out, final = fn(*(leaves[k] for k in NAMES[:5]), Q, return_final_states=True, dt_softplus=True,
+    out, final = fn(*(leaves[k] for k in NAMES[:5]), chunk, return_final_states=True, dt_softplus=True,
                     **{k: leaves[k] for k in NAMES[5:]}, **kw)
     ((out * dout).sum() + (final * dfinal).sum()).backward()
     return out.detach(), final.detach(), {k: v.grad for k, v in leaves.items() if v is not None}
@@ -347,6 +347,11 @@ def test_mamba2_names_bad_packed_arguments():
 @requires_gpu
 @pytest.mark.parametrize("reduction", ["atomic", "deterministic"])
 def test_packed_matches_mamba_ssm_on_gpu(reduction):
+    """mamba_chunk_scan_combined with seq_idx and cu_seqlens on the same packed row, fp32 (TF32 dots on both
+    sides), chunk 256. Its autotuners try their smallest configuration only (oracle.single_config(smallest=True),
+    as test_ssd_kernels' and test_ssd_backward's comparisons: all of them compile for minutes on a fresh GPU and
+    the first ones do not fit an H200's shared memory). Tolerances relative to the largest value, as the other
+    GPU comparisons: TF32 rounds at 2^-11 of the operands, not of each output."""
     from mambalab import oracle
     combined = oracle.module("ops.triton.ssd_combined").mamba_chunk_scan_combined
     lengths = (100, 1, 255, 256, 300, 112)
@@ -357,15 +362,18 @@ def test_packed_matches_mamba_ssm_on_gpu(reduction):
     args = [inp[k] for k in NAMES]
     ours = ssd_chunk_scan(*args[:5], 256, *args[5:], seq, cu, True, return_final_states=True,
                           return_varlen_states=True, reduction=reduction)
-    theirs = combined(*args[:5], 256, *args[5:], seq, cu, True, return_final_states=True, return_varlen_states=True)
+    with oracle.single_config("mamba_ssm.ops.triton", smallest=True):
+        theirs = combined(*args[:5], 256, *args[5:], seq, cu, True, return_final_states=True,
+                          return_varlen_states=True)
     for name, a, b in zip(("out", "final_states", "varlen_states"), ours, theirs):
-        torch.testing.assert_close(a.float(), b.float(), atol=5e-3, rtol=5e-3, msg=name)
+        scale = b.float().abs().max().item() + 1.0
+        torch.testing.assert_close(a.float(), b.float(), atol=5e-3 * scale, rtol=5e-3, msg=name)
     gen = torch.Generator().manual_seed(3)
     dout = torch.randn(1, l, 4, 64, generator=gen).cuda()
-    g_ours = run(ssd_chunk_scan, inp, dout, torch.zeros(1, 4, 64, 64, device="cuda"), seq_idx=seq,
+    g_ours = run(ssd_chunk_scan, inp, dout, torch.zeros(1, 4, 64, 64, device="cuda"), chunk=256, seq_idx=seq,
                  reduction=reduction)[2]
-    g_theirs = run(lambda *a, **k: combined(*a, **k), inp, dout, torch.zeros(1, 4, 64, 64, device="cuda"),
-                   seq_idx=seq)[2]
+    with oracle.single_config("mamba_ssm.ops.triton", smallest=True):
+        g_theirs = run(combined, inp, dout, torch.zeros(1, 4, 64, 64, device="cuda"), chunk=256, seq_idx=seq)[2]
     for k in g_theirs:
         scale = g_theirs[k].abs().max().item() + 1.0
         torch.testing.assert_close(g_ours[k].float(), g_theirs[k].float(), atol=5e-3 * scale, rtol=5e-3, msg=k)

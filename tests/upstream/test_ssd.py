@@ -21,8 +21,10 @@
 # return_varlen_states=True)``, bound to mambalab.ops.ssd_chunk_scan (it needs a C, which only its output uses:
 # drawn after upstream's tensors, so upstream's draws are unchanged, and the output is not compared). The
 # per-sequence reference is upstream's, from mamba-ssm's own kernels (chunk_state, _chunk_cumsum_fwd,
-# _state_passing_fwd) through mambalab.oracle, on the CPU in Triton's interpreter with one autotuning
-# configuration each (and torch.cuda.device, which their launchers enter, a no-op). Device: CUDA when
+# _state_passing_fwd) through mambalab.oracle, with one autotuning configuration each, their smallest (on a GPU
+# too: all of them, 22 per dtype, cost a fresh machine a minute or more of compiling, and the reference's values
+# do not depend on the tiles beyond rounding), on the CPU in Triton's interpreter (and torch.cuda.device, which
+# their launchers enter, a no-op). Device: CUDA when
 # available, else the CPU; on the CPU chunk_size 64, ngroups 1 and "max",
 # fp32, with 3 sequences of dim 128 instead of 300 of dim 4096. Tolerances and assertions are upstream's.
 """mamba-ssm's SSD test (the varlen final states of packed sequences), run on mambalab.ops.ssd_chunk_scan."""
@@ -51,15 +53,14 @@ _state_passing_fwd = _ssd_state_passing._state_passing_fwd
 
 @pytest.fixture(autouse=True)
 def _mamba_ssm_kernels_on_the_cpu(monkeypatch):
-    """On the CPU, mamba-ssm's kernels (the reference) run in Triton's interpreter: their launchers' ``with
-    torch.cuda.device(x.device.index)`` becomes a no-op (it needs CUDA), and each autotuner tries one
-    configuration, not all of them. On a GPU nothing changes."""
-    if ON_GPU:
-        yield
-    else:
+    """mamba-ssm's kernels (the reference) try one autotuning configuration each, their smallest, not all of
+    them (on a GPU: compile time saved; on the CPU: the interpreter cannot time them). On the CPU they run in
+    Triton's interpreter, and their launchers' ``with torch.cuda.device(x.device.index)`` becomes a no-op (it
+    needs CUDA)."""
+    if not ON_GPU:
         monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
-        with oracle.single_config("mamba_ssm.ops.triton.ssd", smallest=True):
-            yield
+    with oracle.single_config("mamba_ssm.ops.triton.ssd", smallest=True):
+        yield
 
 
 def detach_clone(*args):
