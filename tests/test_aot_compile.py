@@ -21,6 +21,8 @@ import mambalab
 from mambalab import aot, device
 from mambalab.determinism.experiments import atomic_sum
 from mambalab.ops import mamba3_chunk_scan, mamba3_step, selective_scan, ssd_chunk_scan, ssd_chunk_scan_forward
+from mambalab.ops.conv_update import causal_conv1d_update
+from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.mamba3 import zero_state
 
 from conftest import make_mamba3_inputs, make_ssd_inputs
@@ -106,6 +108,29 @@ def _mamba3_step(r, dtype=torch.bfloat16, p=16, n=16, a=4):
         mamba3_step(zero_state(2, 4, p, n, r, a, torch.float32, "cpu"), **token)
 
 
+def _state_update(dtype, b=2, h=4, p=8, n=16, heads=True, index=False):
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
+    if heads:   # Mamba-2: Δ, A, D, dt_bias per head, broadcast; gated; dt_limit
+        args = (r(b, h, p, n), r(b, h, p), r(b, h)[..., None].expand(b, h, p),
+                -torch.rand(h)[:, None, None].expand(h, p, n), r(b, 2, n), r(b, 2, n), torch.randn(h, p))
+        kw = dict(z=r(b, h, p), dt_bias=torch.randn(h)[:, None].expand(h, p), dt_limit=(0.0, 1.0))
+    else:       # Mamba-1: per channel, no heads
+        args = (r(b, p, n), r(b, p), r(b, p), -torch.rand(p, n), r(b, n), r(b, n), torch.randn(p))
+        kw = dict(z=r(b, p), dt_bias=torch.randn(p))
+    if index:
+        kw["state_batch_indices"] = torch.arange(b, dtype=torch.int32)
+    with torch.no_grad():
+        selective_state_update(*args, **kw, dt_softplus=True)
+
+
+def _conv_update(dtype, b=2, channels=300, width=4):
+    x, state, weight, bias = (torch.randn(*s).to(dtype) for s in ((b, channels), (b, channels, width),
+                                                                   (channels, width), (channels,)))
+    with torch.no_grad():
+        causal_conv1d_update(x, state, weight, bias, activation="silu")
+
+
 def _atomic_sum():
     # nothing ran, so the programs' landing order cannot be chained from the (unwritten) results
     with contextlib.suppress(RuntimeError):
@@ -141,6 +166,10 @@ CASES = {
     "mamba3_step-r1": lambda: _mamba3_step(1),
     "mamba3_step-r4": lambda: _mamba3_step(4),
     "mamba3_step-r4-gpu-tiles": lambda: _mamba3_step(4, p=64, n=128, a=32),
+    "state_update-bf16-mamba2": lambda: _state_update(torch.bfloat16),
+    "state_update-fp32-mamba1-indexed": lambda: _state_update(torch.float32, heads=False, index=True),
+    "state_update-bf16-gpu-tiles": lambda: _state_update(torch.bfloat16, b=64, h=80, p=64, n=128),
+    "conv_update-bf16": lambda: _conv_update(torch.bfloat16),
     "atomic_sum": _atomic_sum,
 }
 

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab.ops.conv_update import causal_conv1d_update
+
 
 def new_conv_state(conv1d: nn.Conv1d, batch_size: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A zeroed decoding window (b, channels, d_conv) for ``conv1d``, in ``dtype`` (default: its weight's)."""
@@ -68,10 +70,23 @@ def varlen_conv_states(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) ->
 
 
 def causal_conv1d_step(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
-    """silu(causal conv) for one new input: x (b, channels) -> (b, channels); updates ``conv_state`` in place."""
+    """silu(causal conv) for one new input: x (b, channels) -> (b, channels); updates ``conv_state`` in place.
+
+    One Triton kernel (:func:`mambalab.ops.conv_update.causal_conv1d_update`), except in float64 or when
+    autograd must record the step: then :func:`conv_step_ref`."""
+    weight = conv1d.weight[:, 0]                                               # (channels, width)
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if x.dtype == torch.float64 or differentiable:
+        return conv_step_ref(x, conv_state, weight, conv1d.bias)
+    return causal_conv1d_update(x, conv_state, weight, conv1d.bias, activation="silu")
+
+
+def conv_step_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """The decode step in PyTorch: x (b, channels), conv_state (b, channels, width) updated in place, weight
+    (channels, width), bias (channels,) -> silu(bias + Σ_k weight[:, k] window[:, :, k]) (b, channels)."""
     # Shift the window left by one and append the new input, then apply each channel's filter.
     conv_state.copy_(torch.cat([conv_state[..., 1:], x.unsqueeze(-1).to(conv_state.dtype)], dim=-1))
-    y = torch.einsum("bcw,cw->bc", conv_state, conv1d.weight[:, 0])  # (b, channels)
-    if conv1d.bias is not None:
-        y = y + conv1d.bias
+    y = torch.einsum("bcw,cw->bc", conv_state, weight)                         # (b, channels)
+    if bias is not None:
+        y = y + bias
     return F.silu(y)

@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from mambalab import validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.ops import selective_scan
+from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.selective_scan import selective_scan_step
-from mambalab.modules.inference_cache import states_from_cache
+from mambalab.modules.inference_cache import states_from_cache, step_needs_autograd
 
 __all__ = ["Mamba1"]
 
@@ -186,11 +187,17 @@ class Mamba1(nn.Module):
         x = causal_conv1d_step(self.conv1d, x, conv_state)                  # (b, d)
 
         dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)                   # (b, r), (b, n), (b, n)
-        dt = F.softplus(self.dt_proj(dt).float())                            # (b, d), bias included here
         A = -torch.exp(self.A_log.float())                                   # (d, n)
-        h, y = selective_scan_step(ssm_state.float(), x.float(), dt, A, B.float(), C.float(), self.D.float())
-        ssm_state.copy_(h)                                                   # (b, d, n)
-        y = y * F.silu(z.float())                                            # (b, d)
+        if dtype != torch.float64 and not step_needs_autograd(self, hidden_states):
+            # one Triton kernel: softplus(Δ + bias), the state's one read and write, C, D and the gate
+            dt = F.linear(dt, self.dt_proj.weight)                           # (b, d), the bias in the kernel
+            y = selective_state_update(ssm_state, x, dt, A, B, C, self.D.float(), z=z,
+                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+        else:
+            dt = F.softplus(self.dt_proj(dt).float())                        # (b, d), bias included here
+            h, y = selective_scan_step(ssm_state.float(), x.float(), dt, A, B.float(), C.float(), self.D.float())
+            ssm_state.copy_(h)                                               # (b, d, n)
+            y = y * F.silu(z.float())                                        # (b, d)
         out = self.out_proj(y.to(dtype))                                     # (b, d_model)
         return out.unsqueeze(1), conv_state, ssm_state
 

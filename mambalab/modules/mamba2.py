@@ -57,8 +57,9 @@ from mambalab import validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state, varlen_conv_states
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
+from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.ssd import last_positions, ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
-from mambalab.modules.inference_cache import states_from_cache
+from mambalab.modules.inference_cache import states_from_cache, step_needs_autograd
 
 __all__ = ["Mamba2"]
 
@@ -387,12 +388,26 @@ class Mamba2(nn.Module):
         xBC = causal_conv1d_step(self.conv1d, xBC, conv_state)              # (b, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b, h, p), (b, g, n), (b, g, n)
 
+        A = -torch.exp(self.A_log.to(cd))                                      # (h,)
+        D = self._skip().to(cd)
+        if self.scan == "kernel" and cd == torch.float32 and not step_needs_autograd(self, hidden_states):
+            # one Triton kernel: Δ, the state's one read and write, C, D (and the gate without the norm)
+            b, h, p, n = ssm_state.shape
+            y = selective_state_update(
+                ssm_state, x, dt[..., None].expand(b, h, p), A[:, None, None].expand(h, p, n), B, C,
+                D if self.D_has_hdim else D[:, None].expand(h, p),
+                z=None if self.rmsnorm else z.unflatten(-1, (h, p)),
+                dt_bias=self.dt_bias.to(cd)[:, None].expand(h, p), dt_softplus=True,
+                dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit).flatten(-2)
+            if self.rmsnorm:
+                y = self.norm(y, z)
+            if self.d_mlp > 0:
+                y = torch.cat([F.silu(z0) * x0, y.to(dtype)], dim=-1)              # (b, d_inner)
+            return self.out_proj(y.to(dtype)).unsqueeze(1), conv_state, ssm_state
         # Δ = clamp(softplus(dt + dt_bias), *dt_limit), as the scan forms it
         dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(*self.dt_limit)  # (b, h)
-        A = -torch.exp(self.A_log.to(cd))                                      # (h,)
         state, y = ssd_step(ssm_state.to(cd), x.to(cd), dt, A, B.to(cd), C.to(cd))
         ssm_state.copy_(state)                                                 # (b, h, p, n)
-        D = self._skip().to(cd)
         y = y + (D if self.D_has_hdim else D[:, None]) * x.to(cd)              # (b, h, p)
         y = y.flatten(-2)                                                      # (b, d_ssm)
         if self.rmsnorm:

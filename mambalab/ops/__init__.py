@@ -6,9 +6,15 @@
 * :func:`ssd_chunk_scan_forward`: the same forward without autograd.
 * :func:`mamba3_chunk_scan`: Mamba-3's exponential-trapezoidal, rotary, MIMO scan with autograd (on the SSD
   kernels, deterministic backward by default); :func:`mamba3_step`: its decode step (one Triton kernel).
+* :func:`selective_state_update`: Mamba-1's and Mamba-2's decode step (one Triton kernel), drop-in for
+  mamba-ssm's function of that name; :func:`causal_conv1d_update`: the conv's decode step, drop-in for the
+  ``causal_conv1d`` package's.
 """
+from mambalab.ops.conv_update import causal_conv1d_update
 from mambalab.ops.mamba3 import mamba3_chunk_scan, mamba3_step
 from mambalab.ops.selective_scan import selective_scan
 from mambalab.ops.ssd import ssd_chunk_scan, ssd_chunk_scan_forward
+from mambalab.ops.state_update import selective_state_update
 
-__all__ = ["mamba3_chunk_scan", "mamba3_step", "selective_scan", "ssd_chunk_scan", "ssd_chunk_scan_forward"]
+__all__ = ["causal_conv1d_update", "mamba3_chunk_scan", "mamba3_step", "selective_scan", "selective_state_update",
+           "ssd_chunk_scan", "ssd_chunk_scan_forward"]
