@@ -7,7 +7,8 @@ memory, with and without CUDA graphs for mambalab. Results go to ``benchmarks/re
 with the machine and versions.
 
     python benchmarks/bench_generation.py                     # the full table (GPU)
-    python benchmarks/bench_generation.py --smoke             # a tiny model on the CPU: checks the script runs
+    python benchmarks/bench_generation.py --smoke             # a tiny model: checks the script runs (the GPU
+                                                              # when there is one, else the CPU's interpreter)
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def bench_row(name, cfg, prompt_len, new_tokens, batch, device, dtype, rival: bo
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU (checks the script runs)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, fp32, on the GPU if there is one (checks the script runs)")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 1024])
@@ -130,7 +131,8 @@ def main(argv=None):
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "bench_generation.json"))
     args = parser.parse_args(argv)
     if args.smoke:
-        device, dtype = torch.device("cpu"), torch.float32
+        # a GPU process runs Triton natively, so CPU tensors would not reach the interpreter: the GPU's then
+        device, dtype = torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.float32
         rows = [bench_row("smoke", SMOKE, 8, 16, 2, device, dtype, rival=False, eager=True)]
     else:
         if not torch.cuda.is_available():

@@ -165,9 +165,17 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, 
     return seq_idx, cu_seqlens, [validate.Finite("dt", dt), *checks]
 
 
-def _varlen_states(res, x_, B_, seq_idx, cu_seqlens):
-    """Each packed sequence's final state from the forward's results, (num_seqs, h, p, n) fp32."""
-    return _kernels.varlen_states_fwd(x_, B_, res.delta, res.dA_cumsum, res.entering_states, seq_idx, cu_seqlens,
+def _varlen_states(res, x_, B_, init_, seq_idx, cu_seqlens):
+    """Each packed sequence's final state from the forward's results, (num_seqs, h, p, n) fp32.
+
+    The states entering the chunks are passed again in fp32 when the forward kept them in x's dtype (bf16,
+    fp16) for its dots: each sequence's final state starts from one of them, and a bf16 copy would round it
+    at 2^-8 (on an H200, mamba-ssm's own varlen test saw 7.8e-3 against its fp32 reference, over its 3e-3)."""
+    entering = res.entering_states
+    if entering.dtype != torch.float32 and res.chunk_states is not None:
+        entering, _ = _kernels.state_passing_fwd(res.chunk_states, res.dA_cumsum, init_, res.tiles,
+                                                 store_dtype=torch.float32, seq_idx=seq_idx)
+    return _kernels.varlen_states_fwd(x_, B_, res.delta, res.dA_cumsum, entering, seq_idx, cu_seqlens,
                                       res.tiles, _device.dot_precision(x_.dtype, x_.device))
 
 
@@ -230,7 +238,7 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_,
                                       bool(dt_softplus), tuple(float(v) for v in dt_limit), seq_idx=seq_idx)
     out = res.out if res.out.dtype == x.dtype else res.out.to(x.dtype)
-    varlen = _varlen_states(res, x_, B_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
+    varlen = _varlen_states(res, x_, B_, init_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
     return _results(out, res.final_states, varlen, return_final_states)
 
 
@@ -262,7 +270,7 @@ class SSDChunkScanFn(torch.autograd.Function):
             check.check()
         res = _kernels.ssd_chunk_scan_fwd(x_, dt_, A_, B_, C_, chunk_size, D_, z_, bias_, init_, dt_softplus,
                                           dt_limit, seq_idx=seq_idx)
-        varlen = _varlen_states(res, x_, B_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
+        varlen = _varlen_states(res, x_, B_, init_, seq_idx, cu_seqlens) if cu_seqlens is not None else None
         if varlen is not None:
             ctx.mark_non_differentiable(varlen)
         # the backward needs Δ, cs and the entering states; not the chunk states (step 1's own output)
