@@ -79,7 +79,7 @@ for step in "$@"; do
     gpu-tests) timeout "${GPU_TESTS_TIMEOUT:-300}" python3 -m pytest -v -p no:cacheprovider -rs -k "gpu or GPU or cuda" \
                  tests/test_ssd_kernels.py tests/test_ssd_backward.py tests/test_mamba3_kernels.py tests/test_mamba3_module.py \
                  tests/test_determinism.py tests/test_determinism_kernels.py tests/test_determinism_plots.py tests/test_train.py \
-                 tests/test_ssd_varlen.py tests/test_generate.py tests/test_inference_plots.py tests/test_state_update.py tests/test_conv_update.py \
+                 tests/test_ssd_varlen.py tests/test_generate.py tests/test_inference_plots.py tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py \
                  >"$OUT/gpu-tests.log" 2>&1; tail -8 "$OUT/gpu-tests.log" ;;
     upstream) timeout "${UPSTREAM_T:-400}" python3 -m pytest -q -p no:cacheprovider -rs tests/upstream \
                 >"$OUT/upstream.log" 2>&1; tail -6 "$OUT/upstream.log" ;;

@@ -21,6 +21,7 @@ import mambalab
 from mambalab import aot, device
 from mambalab.determinism.experiments import atomic_sum
 from mambalab.ops import mamba3_chunk_scan, mamba3_step, selective_scan, ssd_chunk_scan, ssd_chunk_scan_forward
+from mambalab.kernels.norm import gated_norm_fwd
 from mambalab.ops.conv_update import causal_conv1d_update
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.mamba3 import zero_state
@@ -131,6 +132,12 @@ def _conv_update(dtype, b=2, channels=300, width=4):
         causal_conv1d_update(x, state, weight, bias, activation="silu")
 
 
+def _gated_norm(dtype, d=96, group_size=48, gated=True):
+    x, z = (torch.randn(3, d).to(dtype) for _ in range(2))
+    gated_norm_fwd(x, torch.ones(d, dtype=dtype), torch.zeros(d, dtype=dtype) if not gated else None,
+                   z if gated else None, 1e-5, group_size, False, gated)
+
+
 def _atomic_sum():
     # nothing ran, so the programs' landing order cannot be chained from the (unwritten) results
     with contextlib.suppress(RuntimeError):
@@ -170,6 +177,9 @@ CASES = {
     "state_update-fp32-mamba1-indexed": lambda: _state_update(torch.float32, heads=False, index=True),
     "state_update-bf16-gpu-tiles": lambda: _state_update(torch.bfloat16, b=64, h=80, p=64, n=128),
     "conv_update-bf16": lambda: _conv_update(torch.bfloat16),
+    "gated_norm-bf16-rms-gated": lambda: _gated_norm(torch.bfloat16),
+    "gated_norm-bf16-layernorm": lambda: _gated_norm(torch.bfloat16, gated=False),
+    "gated_norm-bf16-gpu-tiles": lambda: _gated_norm(torch.bfloat16, d=5120, group_size=5120),
     "atomic_sum": _atomic_sum,
 }
 

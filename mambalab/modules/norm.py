@@ -19,7 +19,8 @@ These are mamba-ssm's ``RMSNorm`` and ``LayerNorm`` of ``mamba_ssm.ops.triton.la
 there as ``RMSNormGated``): same constructor arguments and defaults, same parameter names (``weight``; and
 ``bias`` for LayerNorm, which RMSNorm registers as None), so state dicts interchange, and the same
 functional forms :func:`rmsnorm_fn` and :func:`layernorm_fn`. The computation is plain PyTorch in fp32
-(fp64 for fp64 inputs), returned in x's dtype. Its backward is autograd's: the weight's gradient is one
+(fp64 for fp64 inputs), returned in x's dtype; on a GPU, with nothing for autograd to record (inference), one
+Triton kernel computes the same forward (:mod:`mambalab.kernels.norm`). Its backward is autograd's: the weight's gradient is one
 sum over the (rows, d) view of the input in a fixed order, with no per-program partials whose count
 depends on the GPU, so it is deterministic and the same on any GPU, and the same for any split of the
 leading dimensions into (batch, length).
@@ -29,6 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from mambalab.kernels.norm import gated_norm_fwd
 
 __all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "layernorm_fn", "rmsnorm_fn"]
 
@@ -50,6 +53,11 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}; got {tuple(z.shape)}")
     dtype = x.dtype
+    if _kernel_applies(x, weight, bias, z):
+        rows = lambda t: t.reshape(-1, d) if t.stride(-1) == 1 else t.reshape(-1, d).contiguous()
+        out = gated_norm_fwd(rows(x), weight, bias, None if z is None else rows(z), eps, group_size,
+                             norm_before_gate, is_rms_norm)
+        return out.reshape(x.shape)
     compute = torch.promote_types(dtype, torch.float32)          # fp32, or fp64 for fp64 inputs
     # One (rows, d) view whatever the leading shape: the weight's gradient then sums over one axis of a
     # fixed length, the same for (b, l) = (2, 8) as for (4, 4).
@@ -67,6 +75,15 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
     if gate is not None and norm_before_gate:
         y = y * gate
     return y.reshape(x.shape).to(dtype)
+
+
+def _kernel_applies(x, weight, bias, z) -> bool:
+    """Whether :func:`layernorm_fn` runs :mod:`mambalab.kernels.norm`'s forward kernel: on a GPU, with nothing
+    for autograd to record (the kernel has no backward; training keeps the PyTorch form and its deterministic
+    backward), and not in float64. On the CPU the PyTorch ops are faster than Triton's interpreter."""
+    tensors = [t for t in (x, weight, bias, z) if t is not None]
+    return (x.is_cuda and x.numel() > 0 and x.dtype != torch.float64
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
