@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -23,9 +22,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mambalab.inference import generate  # noqa: E402
 from mambalab.modules.lm import LMConfig, MambaLM  # noqa: E402
+from common import environment  # noqa: E402
 
 # mamba-ssm's published configurations (their config.json), vocabulary padded to a multiple of 16.
 CONFIGS = {
@@ -139,18 +140,16 @@ def main(argv=None):
             parser.exit(2, "bench_generation.py: needs a CUDA GPU (use --smoke on the CPU)\n")
         device, dtype = torch.device("cuda"), torch.bfloat16
         rows = []
+    record = dict(environment=environment(), command="python benchmarks/bench_generation.py " + " ".join(argv or sys.argv[1:]),
+                  rows=rows)
+    if not args.smoke:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         for name in args.configs:
             for n in args.new_tokens:
                 for b in args.batch:
                     rows.append(bench_row(name, CONFIGS[name], args.prompt, n, b, device, dtype,
                                           rival=not args.no_rival, eager=n in args.eager_tokens))
-                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)   # what is done survives a cut-off
-                    Path(args.out).write_text(json.dumps(dict(rows=rows), indent=2))
-    record = dict(machine=platform.node(), device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                  torch=torch.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), rows=rows)
-    if not args.smoke:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(record, indent=2))
+                    Path(args.out).write_text(json.dumps(record, indent=2))   # what is done survives a cut-off
     return record
 
 

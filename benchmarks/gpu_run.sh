@@ -89,6 +89,10 @@ for step in "$@"; do
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
               timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 2 benchmarks/bench_tp.py --tp 2 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >>"$OUT/tp-bench.log" 2>&1; tail -4 "$OUT/tp-bench.log" ;;
+    decode-tests) # the decode-step kernels alone (a subset of gpu-tests): state update, conv update, gated norm
+                  timeout "${DECODE_TESTS_T:-120}" python3 -m pytest -q -p no:cacheprovider -rs -k "gpu or cuda" \
+                    tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py \
+                    >"$OUT/decode-tests.log" 2>&1; tail -4 "$OUT/decode-tests.log" ;;
     gen-tests) # the checkpoint tests are CPU tests against the transformers the project installs (the GPU image's
                # is another version), so not here
                timeout "${GEN_TESTS_T:-150}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py \
