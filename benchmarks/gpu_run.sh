@@ -109,7 +109,7 @@ import json, sys; sys.path.insert(0, 'benchmarks')
 from bench_mamba3 import decode
 rows = [decode(64, 32, 64, 1, 128, 32, r) for r in (1, 2, 4)]
 for s in rows: s['graph_over_r1'] = s['graph_ms'] / rows[0]['graph_ms'] if all(isinstance(t['graph_ms'], float) for t in (s, rows[0])) else None
-json.dump(rows, open('$OUT/decode_b64.json', 'w'), indent=2)
+from common import environment; json.dump(dict(environment=environment(), command='gpu_run.sh decode-b64', rows=rows), open('$OUT/decode_b64.json', 'w'), indent=2)
 for s in rows: print('decode b64 r=%d eager %.1f us graph %s us graph GB/s %s' % (s['r'], s['ms'] * 1e3, s['graph_ms'] * 1e3 if isinstance(s['graph_ms'], float) else s['graph_ms'], s['graph_GB_per_s']))
 " >"$OUT/decode-b64.log" 2>&1; tail -4 "$OUT/decode-b64.log" ;;
     nb-*) only=${step#nb-}; [ "$only" = 01 ] && ext_ready   # chapter 01 compares with mamba-ssm's CUDA kernel

@@ -11,6 +11,11 @@ A checkpoint is a folder (or a hub id resolved to one) holding ``config.json`` a
 
 :class:`mambalab.modules.MambaLM` has the names of both minus ``backbone.``, so loading is a rename plus a
 config translation; everything that does not fit (a key, a shape, a config field) is an error that names it.
+
+The model computed is mamba-ssm's. transformers before 5.23 computes Mamba-2's gated norm over all channels
+whatever ``n_groups`` says, where mamba-ssm (and transformers from 5.23) normalises each group: for a
+checkpoint with ``n_groups`` > 1 those versions give other logits. The published Mamba-2 checkpoints have one
+group, where the two agree.
 """
 from __future__ import annotations
 
