@@ -31,6 +31,7 @@ __all__ = [
     "gpu_available",
     "interpreter_active",
     "ensure_kernel_device",
+    "inference_kernels_apply",
 ]
 
 
@@ -130,6 +131,16 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
     * On the CPU interpreter, "ieee": it computes in fp32 anyway, and the tests compare at fp32 tolerances.
     """
     return "tf32" if device.type == "cuda" else "ieee"
+
+
+def inference_kernels_apply(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """Whether a block runs its inference-only kernels (the decode steps, the gated norm's forward) on ``x``:
+    on a GPU (on the CPU the PyTorch ops they replace are faster than Triton's interpreter; the kernels' own
+    tests run them there), not in float64, and with nothing for autograd to record (they have no backward).
+    ``others``: the parameters and inputs that would need gradients, None allowed."""
+    tensors = [x, *(t for t in others if t is not None)]
+    return (x.is_cuda and x.dtype != torch.float64
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def ensure_kernel_device(device: torch.device) -> None:

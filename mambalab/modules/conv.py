@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import device
 from mambalab.ops.conv_update import causal_conv1d_update
 
 
@@ -72,13 +73,12 @@ def varlen_conv_states(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) ->
 def causal_conv1d_step(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor) -> torch.Tensor:
     """silu(causal conv) for one new input: x (b, channels) -> (b, channels); updates ``conv_state`` in place.
 
-    One Triton kernel (:func:`mambalab.ops.conv_update.causal_conv1d_update`), except in float64 or when
-    autograd must record the step: then :func:`conv_step_ref`."""
+    One Triton kernel (:func:`mambalab.ops.conv_update.causal_conv1d_update`) where
+    :func:`mambalab.device.inference_kernels_apply` says so (a GPU, no autograd); else :func:`conv_step_ref`."""
     weight = conv1d.weight[:, 0]                                               # (channels, width)
-    differentiable = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if x.dtype == torch.float64 or differentiable:
-        return conv_step_ref(x, conv_state, weight, conv1d.bias)
-    return causal_conv1d_update(x, conv_state, weight, conv1d.bias, activation="silu")
+    if device.inference_kernels_apply(x, weight, conv1d.bias):
+        return causal_conv1d_update(x, conv_state, weight, conv1d.bias, activation="silu")
+    return conv_step_ref(x, conv_state, weight, conv1d.bias)
 
 
 def conv_step_ref(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:

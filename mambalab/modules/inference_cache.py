@@ -1,8 +1,6 @@
 """Where a block keeps its decoding state between calls: mamba-ssm's ``inference_params.key_value_memory_dict``,
-keyed by the block's ``layer_idx``, holding the tuple its ``allocate_inference_cache`` makes; and whether a decode step must stay differentiable."""
+keyed by the block's ``layer_idx``, holding the tuple its ``allocate_inference_cache`` makes."""
 from __future__ import annotations
-
-import torch
 
 
 def states_from_cache(block, inference_params, batch_size: int, initialize_states: bool = False):
@@ -20,10 +18,3 @@ def states_from_cache(block, inference_params, batch_size: int, initialize_state
             state.zero_()
     return states[block.layer_idx]
 
-
-def step_needs_autograd(block, hidden_states) -> bool:
-    """Whether a decode step must be recorded for autograd: grad mode on, and the input or the block's
-    parameters require grad. The decode kernels have no backward; such a step runs the PyTorch reference
-    step instead (mamba-ssm's kernels would silently drop those gradients)."""
-    return torch.is_grad_enabled() and (hidden_states.requires_grad
-                                        or any(p.requires_grad for p in block.parameters(recurse=False)))

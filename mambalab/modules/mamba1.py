@@ -29,12 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mambalab import validate
+from mambalab import device, validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state
 from mambalab.ops import selective_scan
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.selective_scan import selective_scan_step
-from mambalab.modules.inference_cache import states_from_cache, step_needs_autograd
+from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba1"]
 
@@ -188,7 +188,7 @@ class Mamba1(nn.Module):
 
         dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)                   # (b, r), (b, n), (b, n)
         A = -torch.exp(self.A_log.float())                                   # (d, n)
-        if dtype != torch.float64 and not step_needs_autograd(self, hidden_states):
+        if device.inference_kernels_apply(hidden_states, *self.parameters(recurse=False)):
             # one Triton kernel: softplus(Δ + bias), the state's one read and write, C, D and the gate
             dt = F.linear(dt, self.dt_proj.weight)                           # (b, d), the bias in the kernel
             y = selective_state_update(ssm_state, x, dt, A, B, C, self.D.float(), z=z,

@@ -53,13 +53,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from mambalab import validate
+from mambalab import device, validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state, varlen_conv_states
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.ssd import last_positions, ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
-from mambalab.modules.inference_cache import states_from_cache, step_needs_autograd
+from mambalab.modules.inference_cache import states_from_cache
 
 __all__ = ["Mamba2"]
 
@@ -390,7 +390,7 @@ class Mamba2(nn.Module):
 
         A = -torch.exp(self.A_log.to(cd))                                      # (h,)
         D = self._skip().to(cd)
-        if self.scan == "kernel" and cd == torch.float32 and not step_needs_autograd(self, hidden_states):
+        if self.scan == "kernel" and device.inference_kernels_apply(hidden_states, *self.parameters(recurse=False)):
             # one Triton kernel: Δ, the state's one read and write, C, D (and the gate without the norm)
             b, h, p, n = ssm_state.shape
             y = selective_state_update(

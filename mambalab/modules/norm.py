@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import device
 from mambalab.kernels.norm import gated_norm_fwd
 
 __all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "layernorm_fn", "rmsnorm_fn"]
@@ -53,7 +54,7 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}; got {tuple(z.shape)}")
     dtype = x.dtype
-    if _kernel_applies(x, weight, bias, z):
+    if x.numel() and device.inference_kernels_apply(x, weight, bias, z):
         rows = lambda t: t.reshape(-1, d) if t.stride(-1) == 1 else t.reshape(-1, d).contiguous()
         out = gated_norm_fwd(rows(x), weight, bias, None if z is None else rows(z), eps, group_size,
                              norm_before_gate, is_rms_norm)
@@ -75,15 +76,6 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
     if gate is not None and norm_before_gate:
         y = y * gate
     return y.reshape(x.shape).to(dtype)
-
-
-def _kernel_applies(x, weight, bias, z) -> bool:
-    """Whether :func:`layernorm_fn` runs :mod:`mambalab.kernels.norm`'s forward kernel: on a GPU, with nothing
-    for autograd to record (the kernel has no backward; training keeps the PyTorch form and its deterministic
-    backward), and not in float64. On the CPU the PyTorch ops are faster than Triton's interpreter."""
-    tensors = [t for t in (x, weight, bias, z) if t is not None]
-    return (x.is_cuda and x.numel() > 0 and x.dtype != torch.float64
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
 
 
 def rmsnorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True):
