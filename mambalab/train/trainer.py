@@ -327,7 +327,13 @@ def train(cfg: TrainConfig) -> list[dict]:
     switch, model_config = _determinism(cfg)
     try:
         with switch:
-            return _train(dataclasses.replace(cfg, model=model_config), layout)
+            result = _train(dataclasses.replace(cfg, model=model_config), layout)
+        if dist.is_initialized():
+            # every rank done before any tears down: rank 0 hosts the rendezvous store, and a rank that
+            # destroys its process group while another still talks to the store can abort ("terminate called
+            # without an active exception", seen once in CI on this launch)
+            dist.barrier()
+        return result
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
