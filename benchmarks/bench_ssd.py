@@ -88,6 +88,11 @@ def varlen_lengths(total, count, seed=0):
     return [e - s for s, e in zip(bounds, bounds[1:])]
 
 
+def failure(err: Exception) -> dict:
+    """A piece that raised, as the JSON records it."""
+    return {"error": f"{type(err).__name__}: {err}"[:500]}
+
+
 def attempt(case, key, save, fn):
     """``case[key] = fn()``, or the error it raised (recorded, not fatal: what was measured before it, and what
     can be measured after it, still reach the JSON); then ``save()``. Returns whether it worked."""
@@ -95,7 +100,7 @@ def attempt(case, key, save, fn):
         case[key] = fn()
         ok = True
     except Exception as err:  # noqa: BLE001 - a failing side is recorded beside what the other measured
-        case[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
+        case[key] = failure(err)
         ok = False
     print(f"  {case['dtype']} {key}: {case[key]}", flush=True)
     save()
@@ -135,7 +140,7 @@ def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps, case
             try:
                 timed[key] = time_ms(lambda: step(fn, x, dout, chunk, backward=False, **varlen, **kw))
             except Exception as err:  # noqa: BLE001 - recorded, as attempt() does
-                timed[key] = {"error": f"{type(err).__name__}: {err}"[:500]}
+                timed[key] = failure(err)
     print(f"  {dname} varlen_states_fwd_ms: {timed}", flush=True)
     save()
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mambalab.validate import records_autograd
+
 __all__ = [
     "DEVICE",
     "DeviceInfo",
@@ -138,9 +140,7 @@ def inference_kernels_apply(x: torch.Tensor, *others: torch.Tensor | None) -> bo
     on a GPU (on the CPU the PyTorch ops they replace are faster than Triton's interpreter; the kernels' own
     tests run them there), not in float64, and with nothing for autograd to record (they have no backward).
     ``others``: the parameters and inputs that would need gradients, None allowed."""
-    tensors = [x, *(t for t in others if t is not None)]
-    return (x.is_cuda and x.dtype != torch.float64
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+    return x.is_cuda and x.dtype != torch.float64 and not records_autograd(x, *others)
 
 
 def ensure_kernel_device(device: torch.device) -> None:

@@ -104,6 +104,19 @@ class Finite:
             raise ValueError(f"{self.name} contains NaN or infinite values")
 
 
+def records_autograd(*tensors) -> bool:
+    """Whether autograd would record an op on these inputs: grad mode on and one of them requires grad
+    (None and anything not a tensor left out)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def decoding_only(op: str, *tensors, hint: str = "") -> None:
+    """A decoding kernel has no backward: refuse inputs that autograd would record, naming ``op``."""
+    if records_autograd(*tensors):
+        raise NotImplementedError(f"{op} is a decoding kernel without a backward and an input requires grad: call "
+                                  f"it under torch.no_grad(){hint}")
+
+
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 

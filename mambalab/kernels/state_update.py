@@ -30,6 +30,16 @@ import triton.language as tl
 
 
 @triton.jit
+def _step_size(dt, dt_min, dt_max, SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr):
+    """Δ from dt (+ dt_bias already added), fp32: softplus (the identity above 20, as PyTorch's), then the clamp."""
+    if SOFTPLUS:
+        dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
+    if HAS_LIMIT:
+        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+    return dt
+
+
+@triton.jit
 def state_update_kernel(
     state_ptr,        # (rows, h, dim, n) updated in place
     x_ptr,            # (b, h, dim)
@@ -85,20 +95,14 @@ def state_update_kernel(
         dt = tl.load(dt_ptr + pid_b * dt_b + pid_h * dt_h).to(tl.float32)
         if HAS_BIAS:
             dt += tl.load(bias_ptr + pid_h * bias_h).to(tl.float32)
-        if SOFTPLUS:
-            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-        if HAS_LIMIT:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = _step_size(dt, dt_min, dt_max, SOFTPLUS, HAS_LIMIT)
         decay = tl.exp(tl.load(A_ptr + pid_h * A_h).to(tl.float32) * dt)
         S = S * decay + (x * dt)[:, None] * Bv[None, :]
     else:          # Δ per channel, A per (channel, state dimension)
         dt = tl.load(dt_ptr + pid_b * dt_b + pid_h * dt_h + offs_d * dt_d, mask=mask_d, other=0.0).to(tl.float32)
         if HAS_BIAS:
             dt += tl.load(bias_ptr + pid_h * bias_h + offs_d * bias_d, mask=mask_d, other=0.0).to(tl.float32)
-        if SOFTPLUS:
-            dt = tl.where(dt <= 20.0, tl.log(1.0 + tl.exp(dt)), dt)
-        if HAS_LIMIT:
-            dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
+        dt = _step_size(dt, dt_min, dt_max, SOFTPLUS, HAS_LIMIT)
         A = tl.load(A_ptr + pid_h * A_h + offs_d[:, None] * A_d + offs_n[None, :] * A_n, mask=mask,
                     other=0.0).to(tl.float32)
         S = S * tl.exp(A * dt[:, None]) + (x * dt)[:, None] * Bv[None, :]

@@ -7,8 +7,6 @@ interpreter, in fp32).
 """
 from __future__ import annotations
 
-import torch
-
 from mambalab import device as _device
 from mambalab import validate
 from mambalab.kernels.conv_update import conv_update_fwd
@@ -45,9 +43,7 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         validate.shape("bias", bias, (channels,), "(channels,)")
     validate.same_device(x=x, conv_state=conv_state, weight=weight, bias=bias)
     tensors = [t for t in (x, conv_state, weight, bias) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("causal_conv1d_update is a decoding kernel without a backward and an input "
-                                  "requires grad: call it under torch.no_grad()")
+    validate.decoding_only("causal_conv1d_update", *tensors)
     _device.ensure_kernel_device(x.device)
     silu = activation is not None
     if any(_device.compute_dtype(t.dtype, t.device) != t.dtype for t in tensors):

@@ -292,7 +292,7 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     reduction = reduction or "deterministic"
     args = (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o)
     tensors = (*args, *(initial_state if isinstance(initial_state, Mamba3State) else ()))
-    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    backward = validate.records_autograd(*tensors)
     sizes = _checked(args, initial_state if cu_seqlens is None else None, per_token=False, chunk_size=chunk_size,
                      backward=backward)
     b, l, h, p, g, n, r, a = sizes
@@ -368,10 +368,7 @@ def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z
                         "(mambalab.ref.mamba3.zero_state makes an empty one)")
     _checked(args, state, per_token=True)
     dt_finite = validate.Finite("dt", dt)   # queued here, waited for just before the launch
-    tensors = [t for t in (*args, *state) if t is not None]
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise NotImplementedError("mamba3_step is a decoding kernel without a backward and an input requires "
-                                  "grad: call it under torch.no_grad(), or use mamba3_chunk_scan for gradients")
+    validate.decoding_only("mamba3_step", *args, *state, hint=", or use mamba3_chunk_scan for gradients")
     kd = _device.compute_dtype(v.dtype, v.device)
     # activations in the kernels' dtype; step sizes, angles, biases and the state in fp32
     activations = {"q", "k", "v", "z", "mimo_v", "mimo_z", "mimo_o"}

@@ -228,7 +228,7 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     seq_idx, cu_seqlens, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit,
                                          seq_idx, cu_seqlens, return_varlen_states, backward=False)
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if validate.records_autograd(*tensors):
         raise NotImplementedError(
             "ssd_chunk_scan_forward records no autograd graph, and an input requires grad: use "
             "mambalab.ops.ssd_chunk_scan for gradients, or call this under torch.no_grad().")
@@ -324,7 +324,7 @@ def ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, ini
     """
     reduction = resolve_reduction(reduction)   # None: the determinism switch's mode (default "deterministic")
     tensors = (x, dt, A, B, C, D, z, dt_bias, initial_states)
-    backward = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+    backward = validate.records_autograd(*tensors)
     seq_idx, cu_seqlens, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit,
                                          seq_idx, cu_seqlens, return_varlen_states, backward=backward)
     out, final, varlen = SSDChunkScanFn.apply(x, dt, A, B, C, D, z, dt_bias, initial_states, chunk_size,

@@ -68,9 +68,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
                          state_batch_indices=state_batch_indices)
     if dt_limit is not None and (len(dt_limit) != 2 or not dt_limit[0] <= dt_limit[1]):
         raise ValueError(f"dt_limit must be (low, high) with low <= high; got {dt_limit!r}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in given.values()):
-        raise NotImplementedError("selective_state_update is a decoding kernel without a backward and an input "
-                                  "requires grad: call it under torch.no_grad()")
+    validate.decoding_only("selective_state_update", *given.values())
     _device.ensure_kernel_device(state.device)
     per_head = (A.stride(1) == 0 and A.stride(2) == 0 and dt.stride(2) == 0
                 and (dt_bias is None or dt_bias.stride(1) == 0))
