@@ -228,6 +228,62 @@ def decode(batch, h, p, g, n, a, r):
             "graph_GB_per_s": graph_rate, "flops": flops, "flops_per_byte": flops / moved}
 
 
+def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
+    """The decode step's tile choices at one shape, replayed as CUDA graphs (:func:`common.graph_ms`): for each
+    rank, each way through the ranks (loop, register tile, tl.dots; :func:`mambalab.kernels.mamba3.step_config`
+    and the kernel's docstring) at a few BLOCK_P and warps, with the state read and written plainly or with
+    evict_first (STREAM). Each row: µs, GB/s (:func:`decode`'s bytes) and the largest |difference| from
+    the default choice's output and state, relative to their largest magnitude. First row: a plain copy of the
+    state (read once, written once), the rate a step that only moved the state would reach."""
+    from mambalab.kernels.mamba3 import step as step_kernel
+    from mambalab.ops import mamba3_step
+    from mambalab.ref.mamba3 import zero_state
+
+    state_numel = batch * h * p * n
+    src = torch.randn(state_numel, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = graph_ms(lambda: dst.copy_(src))
+    rows = [{"case": "copy of the fp32 state", "us": copy_ms * 1e3, "GB_per_s": 8 * state_numel / copy_ms / 1e6}]
+    ways = [dict(RANK_TILE=False, RANK_DOT=False), dict(RANK_TILE=True, RANK_DOT=False),
+            dict(RANK_TILE=False, RANK_DOT=True)]
+    tiles = [dict(BLOCK_P=16, num_warps=2), dict(BLOCK_P=16, num_warps=4), dict(BLOCK_P=32, num_warps=4)]
+    default = step_kernel.step_config
+    try:
+        for r in ranks:
+            x, mimo = make(batch, 1, h, p, g, n, a, r, seed=1)
+            tok = {k: (v[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else v) for k, v in x.items()}
+            tok["trap"], tok["angles"] = torch.sigmoid(tok["trap"]), math.pi * torch.tanh(tok["angles"])
+            state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
+            state = type(state)(*(torch.randn_like(t) if i == 1 else t for i, t in enumerate(state)))
+            moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
+                + sum(t.numel() * 4 for t in mimo.values())
+            with torch.no_grad():
+                base_out, base_state = mamba3_step(state, **tok, **mimo)
+                for way in ways:
+                    for tile in tiles:
+                        for stream in (False, True):
+                            choice = dict(**way, **tile, STREAM=stream)
+                            row = dict(r=r, batch=batch, heads=h, **choice)
+                            step_kernel.step_config = lambda *_, c=choice: dict(c)
+                            try:
+                                out, new = mamba3_step(state, **tok, **mimo)
+                                rel = lambda u, w: ((u.float() - w.float()).abs().max() / w.float().abs().max()).item()
+                                row["out_rel_diff"] = rel(out, base_out)
+                                row["state_rel_diff"] = rel(new.ssm, base_state.ssm)
+                                ms = graph_ms(lambda: mamba3_step(state, **tok, **mimo))
+                                row.update(us=ms * 1e3, GB_per_s=moved / ms / 1e6)
+                            except Exception as e:  # noqa: BLE001 - a choice that does not compile is recorded
+                                row["error"] = f"{type(e).__name__}: {e}"[:300]
+                            finally:
+                                step_kernel.step_config = default
+                            rows.append(row)
+                            print("step sweep", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()},
+                                  flush=True)
+    finally:
+        step_kernel.step_config = default
+    return rows
+
+
 def reference_errors(x, mimo, dout, results):
     """The largest |error| of mambalab's and of mamba-ssm's output and gradients against mambalab's fp64
     reference (ref.mamba3_chunked on the same inputs, sigmoid and π·tanh taken in fp64), relative to the

@@ -309,24 +309,30 @@ def test_step_kernel_matches_reference(r, p, n, a, D, z, init):
 
 
 @pytest.mark.parametrize("r", [1, 3, 4, 8])
-def test_step_kernel_rank_tile_matches_the_rank_loop(r, monkeypatch):
-    """The step kernel's two ways through the ranks (step_config chooses by shape) give the same step."""
+def test_step_kernel_rank_paths_match_the_rank_loop(r, monkeypatch):
+    """The step kernel's ways through the ranks (a loop, one register tile, tl.dots over the rank axis; the
+    last with the state streamed past the cache) give the same step. step_config chooses by shape."""
     from mambalab.kernels.mamba3 import step as step_kernel
     large, small = step_kernel.step_config(64, 64, 64, 4), step_kernel.step_config(16, 32, 64, 4)
     assert large["RANK_TILE"] and not small["RANK_TILE"]   # the rule: the tile for large grids only
-    b, h, p, g, n, a = 2, 4, 16, 2, 16, 4
+    b, h, p, g, n, a = 2, 4, 16, 2, 32, 4                  # BLOCK_P 16 and n 32: tl.dot's smallest tiles
     inp = make_mamba3_inputs(b, 1, h, p, g, n, r, a, D=True, z=True, init=True, dtype=torch.float32, seed=r)
     state = Mamba3State(*(t.to(KERNEL_DEVICE) for t in inp.pop("initial_state")))
     tok = {k: (t[:, 0] if k in SEQUENCE else t).to(KERNEL_DEVICE) for k, t in inp.items() if t is not None}
+    ways = {"loop": dict(RANK_TILE=False, RANK_DOT=False, STREAM=False),
+            "tile": dict(RANK_TILE=True, RANK_DOT=False, STREAM=False),
+            "dot": dict(RANK_TILE=False, RANK_DOT=True, STREAM=True)}
     steps = {}
-    for tile in (False, True):
+    for way, choice in ways.items():
         monkeypatch.setattr(step_kernel, "step_config",
-                            lambda *_, tile=tile: dict(BLOCK_P=8, RANK_TILE=tile, num_warps=2))
-        steps[tile] = mamba3_step(state, **tok)
-    (y_loop, s_loop), (y_tile, s_tile) = steps[False], steps[True]
-    assert_close(y_tile, y_loop, "out", 1e-5)
-    for f, got, want in zip(Mamba3State._fields, s_tile, s_loop):
-        assert_close(got, want, f"state.{f}", 1e-5)
+                            lambda *_, choice=choice: dict(BLOCK_P=16, num_warps=2, **choice))
+        steps[way] = mamba3_step(state, **tok)
+    y_loop, s_loop = steps["loop"]
+    for way in ("tile", "dot"):
+        y, s = steps[way]
+        assert_close(y, y_loop, f"{way}: out", 1e-5)
+        for f, got, want in zip(Mamba3State._fields, s, s_loop):
+            assert_close(got, want, f"{way}: state.{f}", 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- bad input

@@ -97,6 +97,9 @@ def mamba3_step_kernel(
     BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
     RANK_TILE: tl.constexpr,     # all ranks as one (BLOCK_R, ·) tile, or a loop over ranks
     BLOCK_R: tl.constexpr,       # R padded to a power of two
+    RANK_DOT: tl.constexpr,      # the sums over ranks as tl.dots (fp32, "ieee"): the rank axis padded to BLOCK_J
+    BLOCK_J: tl.constexpr,       # rows of the update's dot: R previous and R current inputs, padded (>= 16)
+    STREAM: tl.constexpr,        # the state read and written with evict_first (it is touched once a step)
 ):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -121,7 +124,10 @@ def mamba3_step_kernel(
 
     # the state's rows read whole, split into even and odd columns, (BLOCK_P, BLOCK_N2) each
     s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + offs_c[None, :]
-    S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
+    if STREAM:
+        S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
     S0, S1 = tl.split(tl.reshape(S, (BLOCK_P, BLOCK_N2, 2)))
     v_prev = tl.load(vprev_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
     v_now = tl.load(v_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
@@ -133,7 +139,34 @@ def mamba3_step_kernel(
         Dh = tl.load(D_ptr + pid_h).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    if RANK_TILE:
+    if RANK_DOT:
+        # β U_prev + γ U as one product: rows j < R the previous inputs (v_prev, k_prev), R <= j < 2R this
+        # step's (v, k̂), padded to BLOCK_J rows of zeros; S += Vᵀ K over the j axis
+        offs_j = tl.arange(0, BLOCK_J)
+        prev = offs_j < R
+        now = (offs_j >= R) & (offs_j < 2 * R)
+        rj = tl.where(prev, offs_j, tl.where(now, offs_j - R, 0))                     # the rank of row j
+        mask_jc = mask_c[None, :]
+        kp0, kp1 = _rank_pairs(kprev_ptr + (bh * R + rj[:, None]) * n, offs_c, prev[:, None] & mask_jc,
+                               BLOCK_J, BLOCK_N2)
+        kn0, kn1 = _rank_rotated(k_ptr + ((pid_b * R + rj[:, None]) * g + grp) * n,
+                                 kbias_ptr + (pid_h * R + rj[:, None]) * n, offs_c, now[:, None] & mask_jc,
+                                 cos, sin, BLOCK_J, BLOCK_N2)
+        K0 = tl.where(now[:, None], kn0, kp0)                                        # (BLOCK_J, BLOCK_N2)
+        K1 = tl.where(now[:, None], kn1, kp1)
+        mask_jp = (prev | now)[:, None] & mask_p[None, :]
+        if MIMO:
+            wv_j = tl.load(wv_ptr + (pid_h * R + rj[:, None]) * p + offs_p[None, :], mask=mask_jp,
+                           other=0.0).to(tl.float32)
+        else:
+            wv_j = tl.where(mask_jp, 1.0, 0.0)
+        V = tl.where(prev[:, None], beta * v_prev[None, :], gamma * v_now[None, :]) * wv_j   # (BLOCK_J, BLOCK_P)
+        S0 += tl.dot(tl.trans(V), K0, input_precision="ieee")
+        S1 += tl.dot(tl.trans(V), K1, input_precision="ieee")
+        if pid_p == 0:
+            tl.store(k_out_ptr + (bh * R + rj[:, None]) * n + offs_c[None, :],
+                     tl.reshape(tl.join(K0, K1), (BLOCK_J, 2 * BLOCK_N2)), mask=now[:, None] & mask_jc)
+    elif RANK_TILE:
         # every rank at once: (BLOCK_R, ·) tiles, sums over the rank axis in registers
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
@@ -174,12 +207,39 @@ def mamba3_step_kernel(
             if pid_p == 0:
                 tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
                          mask=mask_c)
-    tl.store(ssm_out_ptr + s_ptrs, tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2)), mask=mask_pc)
+    S_new = tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2))
+    if STREAM:
+        tl.store(ssm_out_ptr + s_ptrs, S_new, mask=mask_pc, eviction_policy="evict_first")
+    else:
+        tl.store(ssm_out_ptr + s_ptrs, S_new, mask=mask_pc)
     tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
     if pid_p == 0:
         two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
         tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
-    if RANK_TILE:
+    if RANK_DOT:
+        # H' q̂_r for every rank as one product, (BLOCK_P, BLOCK_J) with columns j < R the ranks
+        live = offs_j < R
+        q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + rj[:, None]) * g + grp) * n,
+                               qbias_ptr + (pid_h * R + rj[:, None]) * n, offs_c, live[:, None] & mask_jc,
+                               cos, sin, BLOCK_J, BLOCK_N2)
+        y = tl.dot(S0, tl.trans(q0), input_precision="ieee") + tl.dot(S1, tl.trans(q1), input_precision="ieee")
+        mask_pj = mask_p[:, None] & live[None, :]
+        w_cols = (pid_h * R + offs_j[None, :]) * p + offs_p[:, None]                   # (BLOCK_P, BLOCK_J)
+        if HAS_D:
+            if MIMO:
+                y += Dh * v_now[:, None] * tl.load(wv_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
+            else:
+                y += Dh * v_now[:, None]
+        if HAS_Z:
+            if MIMO:
+                zr = z[:, None] * tl.load(wz_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
+            else:
+                zr = z[:, None] + tl.zeros((BLOCK_P, BLOCK_J), dtype=tl.float32)
+            y = y * zr * tl.sigmoid(zr)
+        if MIMO:
+            y *= tl.load(wo_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
+        out = tl.sum(tl.where(mask_pj, y, 0.0), axis=1)                                 # (BLOCK_P,)
+    elif RANK_TILE:
         q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
                                qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
                                BLOCK_R, BLOCK_N2)
@@ -229,13 +289,15 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
     """
     block_p = min(16, triton.next_power_of_2(p))
     programs = b * h * triton.cdiv(p, block_p)
-    return dict(BLOCK_P=block_p, RANK_TILE=r >= 4 and programs >= 8192, num_warps=2)
+    return dict(BLOCK_P=block_p, RANK_TILE=r >= 4 and programs >= 8192, num_warps=2, RANK_DOT=False, STREAM=False)
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
-                    mimo_v=None, mimo_z=None, mimo_o=None):
+                    mimo_v=None, mimo_z=None, mimo_o=None, config: dict | None = None):
     """Launch the step on validated, contiguous tensors (module docstring). Returns
-    (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32."""
+    (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32. ``config`` overrides
+    :func:`step_config`'s choices (tests and tile sweeps only; RANK_DOT needs BLOCK_P >= 16 and n >= 32 on a
+    GPU, tl.dot's smallest tiles)."""
     b, h, p = v.shape
     r, g, n = q.shape[1], q.shape[2], q.shape[3]
     a = angle.shape[2]
@@ -248,7 +310,7 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
     mimo = mimo_v is not None
     if mimo and mimo_z is None:   # no gate weights without a gate: a dummy, never read (HAS_Z is False)
         mimo_z = mimo_v
-    config = step_config(b, h, p, r)
+    config = {**step_config(b, h, p, r), **(config or {})}
     grid = (b, h, triton.cdiv(p, config["BLOCK_P"]))
     mamba3_step_kernel[grid](
         angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles,
@@ -257,6 +319,7 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
         out, angle_out, ssm_out, k_out, v_out,
         h, g, p, n, a,
         R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
-        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r), **config,
+        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_J=max(16, triton.next_power_of_2(2 * r)), **config,
     )
     return out, angle_out, ssm_out, k_out, v_out
