@@ -14,9 +14,12 @@ sequences of unequal lengths (seeded cuts), ``seq_idx`` and ``cu_seqlens`` given
 ``return_varlen_states`` for both (mamba-ssm's backward refuses varlen states), mambalab on the same row
 without seq_idx (what the masks cost), and the largest differences from mamba-ssm. The JSON is written after
 each piece; a piece that fails (the rival's, say) is recorded as {"error": ...} and the rest still run.
+With ``--profile`` also where each side's forward+backward spends its device time (:func:`common.profile_table`),
+and, as a diagnostic, mambalab's time with the checks that read the device back before the launch (dt finite,
+seq_idx nondecreasing) skipped: what those readbacks cost.
 
     python benchmarks/bench_ssd.py --out DIR/ssd_default.json [--mamba-deterministic] [--stages] [--sweep]
-                                  [--precompile-rival N] [--varlen N]
+                                  [--precompile-rival N] [--varlen N [--profile]]
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch  # noqa: E402
 
 import mambalab  # noqa: E402,F401
 from common import (add_precompile_arguments, distinct_patterns, environment, keep_config_slice,  # noqa: E402
-                    precompile_in_parallel, time_ms, write)
+                    precompile_in_parallel, profile_table, time_ms, write)
 
 NAMES = ("x", "dt", "A", "B", "C", "D", "dt_bias")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -107,7 +110,23 @@ def attempt(case, key, save, fn):
     return ok
 
 
-def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps, case, save):
+def without_readbacks(fn):
+    """``fn`` with mambalab's pre-launch device checks (:class:`mambalab.validate.Finite`,
+    :class:`~mambalab.validate.Nondecreasing`) made no-ops for its duration: a diagnostic of what their readback
+    costs, never a mode of the library."""
+    from mambalab import validate
+
+    def run(*args, **kwargs):
+        saved = validate.Finite.check, validate.Nondecreasing.check
+        validate.Finite.check = validate.Nondecreasing.check = lambda self: None
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            validate.Finite.check, validate.Nondecreasing.check = saved
+    return run
+
+
+def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps, case, save, profile=False):
     """One dtype of the ``--varlen`` mode (module docstring), filled into ``case`` (already in the result)
     piece by piece, ``save()`` after each piece: a rival that fails, or a time limit that stops the run, keeps
     what was measured."""
@@ -155,6 +174,14 @@ def varlen_case(fn_ours, fn_rival, rival, shape, chunk, count, dname, reps, case
         return diff
     if ok_ours and ok_rival:
         attempt(case, "vs_rival", save, compare)
+    if profile:
+        attempt(case, "diagnostic_mambalab_without_readbacks", save,
+                lambda: measure(without_readbacks(fn_ours), x, dout, chunk, 1, seq_idx=seq, **ours))
+        runs = {"mambalab_seq_idx": (fn_ours, dict(seq_idx=seq, **ours)), "mambalab_no_seq_idx": (fn_ours, ours),
+                rival: (fn_rival, dict(seq_idx=seq))}
+        for key, (fn, kw) in runs.items():
+            attempt(case, f"profile_fwd_bwd_{key}", save,
+                    lambda: profile_table(lambda: step(fn, x, dout, chunk, **kw), rows=25))
     return case
 
 
@@ -247,6 +274,8 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
     p.add_argument("--varlen", type=int, default=0, metavar="N",
                    help="packed sequences: the b·l tokens as one row of N sequences (module docstring)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --varlen: each side's kernels, and mambalab without its device readbacks")
     add_precompile_arguments(p)   # mamba-ssm's default mode autotunes: compile its configurations in parallel first
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -282,7 +311,7 @@ def main():
             case = {}
             result["cases"].append(case)
             varlen_case(ssd_chunk_scan, mamba_chunk_scan_combined, rival, args.shape, args.chunk, args.varlen,
-                        dname, args.reps, case, lambda: write(args.out, result, quiet=True))
+                        dname, args.reps, case, lambda: write(args.out, result, quiet=True), args.profile)
             print(case, flush=True)
         write(args.out, result)
         return

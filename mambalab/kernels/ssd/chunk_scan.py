@@ -22,7 +22,8 @@ One program: (batch row, chunk, head, block of BLOCK_T rows, block of BLOCK_P he
 Packed sequences (``seq_idx``, :mod:`mambalab.kernels.ssd.packed`): the weights of the sum inside the chunk
 are kept only where seq_t = seq_s (a tl.where on L, after the exp: its exponent is already ≤ 0 there), and the
 entering state reaches row t only if seq_t = seq_before(c) (exp(cs_t) becomes 0 otherwise). One load of
-BLOCK_T indices per block of rows or columns, and one scalar a program.
+BLOCK_T indices per block of rows or columns, and one scalar a program; the masks inside the chunk only in a
+chunk that holds more than one sequence (:func:`~mambalab.kernels.ssd.packed._chunk_mixed`).
 
 Step mode (``STEP`` > 0 positions a step; Mamba-3's rank-expanded scan, :mod:`mambalab.kernels.mamba3.chunk_scan`):
 the weights L[t, s] Δ_s of the sum inside the chunk become those of :func:`_intra_weights`, where the positions
@@ -38,7 +39,7 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
-from mambalab.kernels.ssd.packed import _seq_before, _seq_block, _seq_last
+from mambalab.kernels.ssd.packed import _chunk_mixed, _seq_before, _seq_block, _seq_last
 from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p
 
 
@@ -167,6 +168,7 @@ def chunk_scan_fwd_kernel(
     if HAS_SEQ:
         seq_t = _seq_block(seq_ptr, row_t, mask_t)
         e_t = tl.where(seq_t == _seq_before(seq_ptr, pid_b, pid_c, l, Q), e_t, 0.0)   # began before the chunk
+        mixed = _chunk_mixed(seq_ptr, pid_b, pid_c, l, Q)
     y = e_t[:, None] * ch
 
     # Inside the chunk: Σ_{s ≤ t} exp(cs_t - cs_s) (C_t · B_s) Δ_s x_s, over blocks of s up to the diagonal.
@@ -184,7 +186,8 @@ def chunk_scan_fwd_kernel(
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # (BT, BT)
         if HAS_SEQ:
-            W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
+            if mixed:
+                W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
         if STEP > 0:
             scores = cb * W
         else:
@@ -322,6 +325,7 @@ def chunk_scan_bwd_rows_kernel(
     if HAS_SEQ:
         seq_t = _seq_block(seq_ptr, row_t, mask_t)
         e_t = tl.where(seq_t == _seq_before(seq_ptr, pid_b, pid_c, l, Q), e_t, 0.0)
+        mixed = _chunk_mixed(seq_ptr, pid_b, pid_c, l, Q)
     same_t = cs_t
     dsame = tl.zeros((BLOCK_T,), dtype=tl.float32)
     if STEP > 0:
@@ -351,7 +355,8 @@ def chunk_scan_bwd_rows_kernel(
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)
         if HAS_SEQ:
-            W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
+            if mixed:
+                W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
         dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
         if STEP > 0:
@@ -442,6 +447,7 @@ def chunk_scan_bwd_columns_kernel(
     if HAS_SEQ:
         seq_s = _seq_block(seq_ptr, row_s, mask_s)
         w_e = tl.where(seq_s == _seq_last(seq_ptr, pid_b, pid_c, l, Q), w_e, 0.0)   # the chunk's last sequence
+        mixed = _chunk_mixed(seq_ptr, pid_b, pid_c, l, Q)
     w = w_e * delta_s
     dSB = tl.dot(Bs, tl.trans(dS), input_precision=DOT_PRECISION)                  # (BT, BP): dS_c B_s
     dx = w[:, None] * dSB
@@ -462,7 +468,8 @@ def chunk_scan_bwd_columns_kernel(
             same_t = tl.load(same_ptr + chunk + offs_t)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # rows t, cols s
         if HAS_SEQ:
-            W, L = _same_sequence(W, L, _seq_block(seq_ptr, row_t, mask_t), seq_s)
+            if mixed:
+                W, L = _same_sequence(W, L, _seq_block(seq_ptr, row_t, mask_t), seq_s)
         CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
         LCB = L * CB
         dYx = tl.dot(dY, tl.trans(xs_dot), input_precision=DOT_PRECISION)

@@ -15,7 +15,10 @@ state of the sequence numbered 0 before its first position (and no other sequenc
 Because seq_idx never decreases, seq_t = seq_before(c) means that t's sequence began before chunk c, and
 seq_last(c) = seq_before(c) that one sequence covers the whole chunk.
 
-The helpers below read one index (a scalar load) or a block of them (one vector load per tile).
+The helpers below read one index (a scalar load) or a block of them (one vector load per tile). Most chunks of a
+packed row lie inside one sequence (8 sequences in 16,384 positions leave 7 of 64 chunks of 256 with a
+boundary): :func:`_chunk_mixed` tells a program whether its chunk holds more than one index, and the kernels
+apply the masks inside a chunk only where it does (all-true masks would change no value there).
 """
 from __future__ import annotations
 
@@ -42,3 +45,15 @@ def _seq_block(seq_ptr, rows, mask):
     """The sequences of a block of positions: ``rows`` their offsets in the flattened (b·l) axis (int64),
     ``mask`` the positions before l; padding gets -1 (it carries Δ = 0 and zero inputs anyway)."""
     return tl.load(seq_ptr + rows, mask=mask, other=-1)
+
+
+@triton.jit
+def _chunk_mixed(seq_ptr, pid_b, pid_c, l, Q: tl.constexpr):
+    """Whether chunk ``pid_c`` of row ``pid_b`` holds more than one sequence index among its positions before l
+    (one vector load of the chunk's Q indices, a min and a max)."""
+    offs = pid_c * Q + tl.arange(0, Q)
+    mask = offs < l
+    seq = tl.load(seq_ptr + (pid_b * l + offs).to(tl.int64), mask=mask, other=0)
+    first = tl.load(seq_ptr + (pid_b * l + pid_c * Q).to(tl.int64))
+    seq = tl.where(mask, seq, first)
+    return tl.min(seq, axis=0) != tl.max(seq, axis=0)
