@@ -10,7 +10,9 @@
 #            and checkpoints, CUDA-graph decoding included), generation (bench_generation.py against mamba-ssm's
 #            generate), decode-b64 (the Mamba-3 decode step at batch 64: time and achieved bandwidth), upstream
 #            (mamba-ssm's own tests against mambalab, upstream sizes), ssd-varlen-bench (8 packed sequences against
-#            mamba_chunk_scan_combined with seq_idx),
+#            mamba_chunk_scan_combined with seq_idx), ssd-varlen-profile (the same, bf16, with each side's kernels),
+#            decode-sweep (the Mamba-3 decode step's tile choices at batch 64), profile-decode (one decode step's
+#            kernels as CUDA graphs, mambalab against mamba-ssm, batch 1),
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
 #            for tilelang-a, then .carry/tilelang-b with .whl for tilelang-b in the next call, while the machine
@@ -97,11 +99,13 @@ for step in "$@"; do
                # is another version), so not here
                timeout "${GEN_TESTS_T:-150}" python3 -m pytest -q -p no:cacheprovider -rs tests/test_generate.py \
                  >"$OUT/gen-tests.log" 2>&1; tail -4 "$OUT/gen-tests.log" ;;
-    generation) # Mamba-2 configurations first (mamba-ssm's Triton kernels), then Mamba-1 (its CUDA extension)
-                timeout "${GEN2_T:-240}" python3 benchmarks/bench_generation.py --configs mamba2-130m mamba2-2.7b \
+    generation) # Mamba-2 configurations first (mamba-ssm's Triton kernels), then Mamba-1 (its CUDA extension);
+                # GEN2_CONFIGS=none runs the Mamba-1 configuration alone
+                gen2=${GEN2_CONFIGS:-mamba2-130m mamba2-2.7b}
+                [ "$gen2" != none ] && timeout "${GEN2_T:-240}" python3 benchmarks/bench_generation.py --configs $gen2 \
                   --out "$OUT/generation_mamba2.json" >"$OUT/generation.log" 2>&1
                 ext_ready
-                timeout "${GEN1_T:-120}" python3 benchmarks/bench_generation.py --configs mamba-130m \
+                [ "${GEN1:-1}" = 1 ] && timeout "${GEN1_T:-120}" python3 benchmarks/bench_generation.py --configs mamba-130m \
                   --out "$OUT/generation_mamba1.json" >>"$OUT/generation.log" 2>&1
                 grep -E "tok/s|Error|error" "$OUT/generation.log" | tail -40 ;;
     decode-b64) timeout "${DEC_T:-90}" python3 -c "
@@ -112,6 +116,18 @@ for s in rows: s['graph_over_r1'] = s['graph_ms'] / rows[0]['graph_ms'] if all(i
 from common import environment; json.dump(dict(environment=environment(), command='gpu_run.sh decode-b64', rows=rows), open('$OUT/decode_b64.json', 'w'), indent=2)
 for s in rows: print('decode b64 r=%d eager %.1f us graph %s us graph GB/s %s' % (s['r'], s['ms'] * 1e3, s['graph_ms'] * 1e3 if isinstance(s['graph_ms'], float) else s['graph_ms'], s['graph_GB_per_s']))
 " >"$OUT/decode-b64.log" 2>&1; tail -4 "$OUT/decode-b64.log" ;;
+    decode-sweep) timeout "${DSW_T:-200}" python3 -c "
+import json, sys; sys.path.insert(0, 'benchmarks')
+from bench_mamba3 import step_sweep
+from common import environment
+rows = step_sweep(64, 32, 64, 1, 128, 32)
+json.dump(dict(environment=environment(), command='gpu_run.sh decode-sweep', rows=rows), open('$OUT/decode_sweep.json', 'w'), indent=2)
+" >"$OUT/decode-sweep.log" 2>&1; tail -3 "$OUT/decode-sweep.log" ;;
+    profile-decode) ext_ready; timeout "${PD_T:-200}" python3 benchmarks/profile_decode.py --configs ${PD_CONFIGS:-mamba-130m mamba2-130m} --batch 1 \
+                      --out "$OUT/profile_decode.json" >"$OUT/profile-decode.log" 2>&1; tail -6 "$OUT/profile-decode.log" ;;
+    ssd-varlen-profile) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic --dtypes bf16 \
+                          --profile --out "$OUT/ssd_varlen_profile.json" >"$OUT/ssd-varlen-profile.log" 2>&1
+                        tail -3 "$OUT/ssd-varlen-profile.log" ;;
     nb-*) only=${step#nb-}; [ "$only" = 01 ] && ext_ready   # chapter 01 compares with mamba-ssm's CUDA kernel
           timeout "${NB_T:-500}" python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from mambalab.modules.mamba1 import Mamba1
 from mambalab.modules.mamba2 import Mamba2
 from mambalab.modules.mamba3 import Mamba3
-from mambalab.modules.norm import GatedRMSNorm
+from mambalab.modules.norm import GatedRMSNorm, add_norm
 
 __all__ = ["LAYERS", "LMConfig", "MambaLM", "reset_biases"]
 
@@ -138,15 +138,18 @@ class MambaLM(nn.Module):
         ``cu_seqlens``) for Mamba-2 mixers.
         """
         validate.token_ids("ids", ids, self.config.vocab_size)
-        h = self.embedding(ids)                              # (b, l, d_model)
+        h = self.embedding(ids)                              # (b, l, d_model): the residual stream h_0
+        kwargs = mixer_kwargs if inference_params is None else dict(mixer_kwargs, inference_params=inference_params)
+        update = None                                        # the previous block's mixer output
         for layer in self.layers:
-            if inference_params is None and not mixer_kwargs:
-                h = layer(h)
-            else:
-                h = h + layer.mixer(layer.norm(h), inference_params=inference_params, **mixer_kwargs)
+            # h_{k-1} = h_{k-2} + mixer_{k-1}(…) and its norm in one step: on a GPU without autograd one kernel
+            h, normed = (h, layer.norm(h)) if update is None else add_norm(layer.norm, h, update)
+            update = layer.mixer(normed, **kwargs)
         if num_last_tokens > 0:
             h = h[:, -num_last_tokens:]
-        return self.lm_head(self.norm_f(h))                  # (b, l, vocab_size)
+            update = None if update is None else update[:, -num_last_tokens:]
+        normed = self.norm_f(h) if update is None else add_norm(self.norm_f, h, update)[1]   # norm_f(h_N)
+        return self.lm_head(normed)                          # (b, l, vocab_size)
 
     def allocate_inference_cache(self, batch_size: int, max_seqlen: int | None = None, dtype=None) -> dict:
         """{layer_idx: that mixer's zeroed decoding state tuple}: fixed-size, whatever the length."""

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from mambalab import device
 from mambalab.kernels.norm import gated_norm_fwd
 
-__all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "layernorm_fn", "rmsnorm_fn"]
+__all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "add_norm", "layernorm_fn",
+           "rmsnorm_fn"]
 
 
 def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
@@ -122,6 +123,28 @@ class _GatedNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.hidden_size}, eps={self.eps}, group_size={self.group_size}, "
                 f"norm_before_gate={self.norm_before_gate}, bias={self.bias is not None}")
+
+
+def add_norm(norm: _GatedNorm, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm residual stream's step: s = residual + x, then ``norm(s)`` (no gate). Returns (s, norm(s)).
+
+    residual, x: (..., hidden_size), one dtype. On a GPU with nothing for autograd to record
+    (:func:`mambalab.device.inference_kernels_apply`) the add runs inside the norm's kernel, one launch where
+    there would be two (what mamba-ssm's ``fused_add_norm`` does for a decode step); elsewhere it is PyTorch's
+    add, then the norm. Both round s to the dtype before normalising it, so both give the same s and norm(s).
+    """
+    if residual.shape != x.shape or residual.dtype != x.dtype:
+        raise ValueError(f"residual and x must have one shape and dtype; got {tuple(residual.shape)} "
+                         f"{residual.dtype} and {tuple(x.shape)} {x.dtype}")
+    d = x.shape[-1]
+    if (x.numel() and x.shape[-1] == norm.hidden_size
+            and device.inference_kernels_apply(x, residual, norm.weight, norm.bias)):
+        rows = lambda t: t.reshape(-1, d).contiguous()
+        out, s = gated_norm_fwd(rows(x), norm.weight, norm.bias, None, norm.eps, norm.group_size or d, True,
+                                norm.is_rms_norm, residual=rows(residual))
+        return s.reshape(x.shape), out.reshape(x.shape)
+    s = residual + x
+    return s, norm(s)
 
 
 class GatedRMSNorm(_GatedNorm):
