@@ -230,8 +230,8 @@ def decode(batch, h, p, g, n, a, r):
 
 def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     """The decode step's tile choices at one shape, replayed as CUDA graphs (:func:`common.graph_ms`): for each
-    rank, each way through the ranks (loop, register tile, tl.dots; :func:`mambalab.kernels.mamba3.step_config`
-    and the kernel's docstring) at a few BLOCK_P and warps, with the state read and written plainly or with
+    rank, each way through the ranks (loop on the state's pairs, register tile, loop on the state's rows as they
+    lie; :func:`mambalab.kernels.mamba3.step_config` and the kernel's docstring) at a few BLOCK_P and warps, with the state read and written plainly or with
     evict_first (STREAM). Each row: µs, GB/s (:func:`decode`'s bytes) and the largest |difference| from
     the default choice's output and state, relative to their largest magnitude. First row: a plain copy of the
     state (read once, written once), the rate a step that only moved the state would reach."""
@@ -244,9 +244,8 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     dst = torch.empty_like(src)
     copy_ms = graph_ms(lambda: dst.copy_(src))
     rows = [{"case": "copy of the fp32 state", "us": copy_ms * 1e3, "GB_per_s": 8 * state_numel / copy_ms / 1e6}]
-    ways = [dict(RANK_TILE=False, RANK_DOT=False), dict(RANK_TILE=True, RANK_DOT=False),
-            dict(RANK_TILE=False, RANK_DOT=True)]
-    tiles = [dict(BLOCK_P=16, num_warps=2), dict(BLOCK_P=16, num_warps=4), dict(BLOCK_P=32, num_warps=4)]
+    ways = [dict(RANK_TILE=False, FLAT=False), dict(RANK_TILE=True, FLAT=False), dict(RANK_TILE=False, FLAT=True)]
+    tiles = [dict(BLOCK_P=16, num_warps=2), dict(BLOCK_P=16, num_warps=4), dict(BLOCK_P=8, num_warps=1)]
     default = step_kernel.step_config
     try:
         for r in ranks:

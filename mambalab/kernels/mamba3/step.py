@@ -18,11 +18,13 @@ outputs differ in the order of the sum over n (0.01 % of them by one bf16 step).
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
-Tile rule (shape only): one program per (batch row, head, block of BLOCK_P = min(16, next_pow2(p)) head
-dimensions), the state dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step with
-a small batch enough programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed
-by every p-block; the first writes them). The ranks are a loop, or one (R, ·) tile whose sums over the rank
-axis stay in registers (RANK_TILE, for large grids at r >= 4): :func:`step_config` chooses, with the warps.
+Tile rule (shape only): one program per (batch row, head, block of BLOCK_P head dimensions), the state
+dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step with a small batch enough
+programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed by every p-block; the
+first writes them). The ranks are a loop, on the state split into its pairs or on its rows as they lie (FLAT:
+only k̂ and q̂ are split and joined back), or one (R, ·) tile whose sums over the rank axis stay in registers
+(RANK_TILE); the state may be read and written with evict_first (STREAM: it is touched once a step).
+:func:`step_config` chooses, with BLOCK_P and the warps.
 
 Shapes (contiguous, fp32 on the CPU interpreter): angle (b, h, a), ssm (b, h, p, n), k_prev (b, h, r, n),
 v_prev (b, h, p); q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h); q_bias, k_bias (h, r, n);
@@ -97,8 +99,7 @@ def mamba3_step_kernel(
     BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
     RANK_TILE: tl.constexpr,     # all ranks as one (BLOCK_R, ·) tile, or a loop over ranks
     BLOCK_R: tl.constexpr,       # R padded to a power of two
-    RANK_DOT: tl.constexpr,      # the sums over ranks as tl.dots (fp32, "ieee"): the rank axis padded to BLOCK_J
-    BLOCK_J: tl.constexpr,       # rows of the update's dot: R previous and R current inputs, padded (>= 16)
+    FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs)
     STREAM: tl.constexpr,        # the state read and written with evict_first (it is touched once a step)
 ):
     pid_b = tl.program_id(0)
@@ -128,44 +129,34 @@ def mamba3_step_kernel(
         S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0, eviction_policy="evict_first").to(tl.float32)
     else:
         S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
-    S0, S1 = tl.split(tl.reshape(S, (BLOCK_P, BLOCK_N2, 2)))
+    if not FLAT:
+        S0, S1 = tl.split(tl.reshape(S, (BLOCK_P, BLOCK_N2, 2)))
+        S0 *= alpha
+        S1 *= alpha
     v_prev = tl.load(vprev_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
     v_now = tl.load(v_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    S0 *= alpha
-    S1 *= alpha
     beta = (1.0 - lam) * dt * alpha
     gamma = lam * dt
     if HAS_D:
         Dh = tl.load(D_ptr + pid_h).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    if RANK_DOT:
-        # β U_prev + γ U as one product: rows j < R the previous inputs (v_prev, k_prev), R <= j < 2R this
-        # step's (v, k̂), padded to BLOCK_J rows of zeros; S += Vᵀ K over the j axis
-        offs_j = tl.arange(0, BLOCK_J)
-        prev = offs_j < R
-        now = (offs_j >= R) & (offs_j < 2 * R)
-        rj = tl.where(prev, offs_j, tl.where(now, offs_j - R, 0))                     # the rank of row j
-        mask_jc = mask_c[None, :]
-        kp0, kp1 = _rank_pairs(kprev_ptr + (bh * R + rj[:, None]) * n, offs_c, prev[:, None] & mask_jc,
-                               BLOCK_J, BLOCK_N2)
-        kn0, kn1 = _rank_rotated(k_ptr + ((pid_b * R + rj[:, None]) * g + grp) * n,
-                                 kbias_ptr + (pid_h * R + rj[:, None]) * n, offs_c, now[:, None] & mask_jc,
-                                 cos, sin, BLOCK_J, BLOCK_N2)
-        K0 = tl.where(now[:, None], kn0, kp0)                                        # (BLOCK_J, BLOCK_N2)
-        K1 = tl.where(now[:, None], kn1, kp1)
-        mask_jp = (prev | now)[:, None] & mask_p[None, :]
-        if MIMO:
-            wv_j = tl.load(wv_ptr + (pid_h * R + rj[:, None]) * p + offs_p[None, :], mask=mask_jp,
-                           other=0.0).to(tl.float32)
-        else:
-            wv_j = tl.where(mask_jp, 1.0, 0.0)
-        V = tl.where(prev[:, None], beta * v_prev[None, :], gamma * v_now[None, :]) * wv_j   # (BLOCK_J, BLOCK_P)
-        S0 += tl.dot(tl.trans(V), K0, input_precision="ieee")
-        S1 += tl.dot(tl.trans(V), K1, input_precision="ieee")
-        if pid_p == 0:
-            tl.store(k_out_ptr + (bh * R + rj[:, None]) * n + offs_c[None, :],
-                     tl.reshape(tl.join(K0, K1), (BLOCK_J, 2 * BLOCK_N2)), mask=now[:, None] & mask_jc)
+    if FLAT:
+        # the state's rows as they lie, (BLOCK_P, 2·BLOCK_N2): only the n-vectors are split into pairs, to
+        # turn them, and joined back (k̂ and q̂ in the state's column order); no split or join of the state
+        S = S * alpha
+        for r in tl.static_range(R):
+            wv = 1.0
+            if MIMO:
+                wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+            kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            S += (beta * v_prev * wv)[:, None] * kp[None, :]                            # β U_prev, rank r
+            k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
+            kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
+            S += (gamma * v_now * wv)[:, None] * kn[None, :]                            # γ U, rank r
+            if pid_p == 0:
+                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
     elif RANK_TILE:
         # every rank at once: (BLOCK_R, ·) tiles, sums over the rank axis in registers
         offs_r = tl.arange(0, BLOCK_R)
@@ -207,7 +198,10 @@ def mamba3_step_kernel(
             if pid_p == 0:
                 tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
                          mask=mask_c)
-    S_new = tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2))
+    if FLAT:
+        S_new = S
+    else:
+        S_new = tl.reshape(tl.join(S0, S1), (BLOCK_P, 2 * BLOCK_N2))
     if STREAM:
         tl.store(ssm_out_ptr + s_ptrs, S_new, mask=mask_pc, eviction_policy="evict_first")
     else:
@@ -216,29 +210,27 @@ def mamba3_step_kernel(
     if pid_p == 0:
         two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
         tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
-    if RANK_DOT:
-        # H' q̂_r for every rank as one product, (BLOCK_P, BLOCK_J) with columns j < R the ranks
-        live = offs_j < R
-        q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + rj[:, None]) * g + grp) * n,
-                               qbias_ptr + (pid_h * R + rj[:, None]) * n, offs_c, live[:, None] & mask_jc,
-                               cos, sin, BLOCK_J, BLOCK_N2)
-        y = tl.dot(S0, tl.trans(q0), input_precision="ieee") + tl.dot(S1, tl.trans(q1), input_precision="ieee")
-        mask_pj = mask_p[:, None] & live[None, :]
-        w_cols = (pid_h * R + offs_j[None, :]) * p + offs_p[:, None]                   # (BLOCK_P, BLOCK_J)
-        if HAS_D:
+    if FLAT:
+        out = tl.zeros((BLOCK_P,), dtype=tl.float32)
+        for r in tl.static_range(R):
+            q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
+            qn = tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))
+            y = tl.sum(S * qn[None, :], axis=1)                           # (BLOCK_P,): H' q̂_r
             if MIMO:
-                y += Dh * v_now[:, None] * tl.load(wv_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
+                wrow = (pid_h * R + r) * p + offs_p
+                if HAS_D:
+                    y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                if HAS_Z:
+                    zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                    y = y * zr * tl.sigmoid(zr)
+                out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
             else:
-                y += Dh * v_now[:, None]
-        if HAS_Z:
-            if MIMO:
-                zr = z[:, None] * tl.load(wz_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
-            else:
-                zr = z[:, None] + tl.zeros((BLOCK_P, BLOCK_J), dtype=tl.float32)
-            y = y * zr * tl.sigmoid(zr)
-        if MIMO:
-            y *= tl.load(wo_ptr + w_cols, mask=mask_pj, other=0.0).to(tl.float32)
-        out = tl.sum(tl.where(mask_pj, y, 0.0), axis=1)                                 # (BLOCK_P,)
+                if HAS_D:
+                    y += Dh * v_now
+                if HAS_Z:
+                    y = y * z * tl.sigmoid(z)
+                out += y
     elif RANK_TILE:
         q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
                                qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
@@ -279,25 +271,28 @@ def mamba3_step_kernel(
 
 
 def step_config(b: int, h: int, p: int, r: int) -> dict:
-    """The launch's tile choices (shape only): BLOCK_P = min(16, next_pow2(p)), 2 warps, and the ranks as one
-    tile (RANK_TILE) for r >= 4 on a grid of at least 8192 programs, a loop over ranks otherwise.
+    """The launch's tile choices (shape only). r = 1: BLOCK_P = min(16, next_pow2(p)), 2 warps, the rank loop
+    on the state split into pairs. r >= 2: BLOCK_P = min(8, next_pow2(p)), 1 warp, the state streamed past the
+    caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT).
 
-    2 warps and the rank tile from a sweep on an H200 (CUDA graphs, p 64, n 128, bf16): batch 16, 32 heads, r = 4
-    29.3 µs against 32.9 at 4 warps; batch 64, 64 heads, r = 4 207 µs with the rank tile against 240 with the
-    loop (benchmarks/results/2026-12-02_h200_mamba3_step_tiles_sweep.json). 8192 programs lies between the two
-    grids measured (2048 and 16384) and is not tuned more finely.
+    From a sweep on an H200 at batch 64, 32 heads, p 64, n 128 (CUDA graphs; benchmarks/results/
+    2026-12-03_h200_mamba3_step_sweep_flat.json): r = 1 45.1 µs (no choice faster; a copy of the state alone
+    takes 36.5); r = 2 53.2 µs against 64.8 with r = 1's choices; r = 4 72.5 µs against 111.9 with the rank
+    tile at 16 rows and 2 warps, the choice of an earlier sweep at 64 heads
+    (benchmarks/results/2026-12-02_h200_mamba3_step_tiles_sweep.json). The rank tile (RANK_TILE) stays for
+    sweeps; no shape measured so far picks it at 8 rows.
     """
-    block_p = min(16, triton.next_power_of_2(p))
-    programs = b * h * triton.cdiv(p, block_p)
-    return dict(BLOCK_P=block_p, RANK_TILE=r >= 4 and programs >= 8192, num_warps=2, RANK_DOT=False, STREAM=False)
+    if r == 1:
+        return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, RANK_TILE=False, FLAT=False,
+                    STREAM=False)
+    return dict(BLOCK_P=min(8, triton.next_power_of_2(p)), num_warps=1, RANK_TILE=False, FLAT=r == 2, STREAM=True)
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
                     mimo_v=None, mimo_z=None, mimo_o=None, config: dict | None = None):
     """Launch the step on validated, contiguous tensors (module docstring). Returns
     (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32. ``config`` overrides
-    :func:`step_config`'s choices (tests and tile sweeps only; RANK_DOT needs BLOCK_P >= 16 and n >= 32 on a
-    GPU, tl.dot's smallest tiles)."""
+    :func:`step_config`'s choices (tests and tile sweeps only)."""
     b, h, p = v.shape
     r, g, n = q.shape[1], q.shape[2], q.shape[3]
     a = angle.shape[2]
@@ -319,7 +314,6 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
         out, angle_out, ssm_out, k_out, v_out,
         h, g, p, n, a,
         R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
-        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r),
-        BLOCK_J=max(16, triton.next_power_of_2(2 * r)), **config,
+        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r), **config,
     )
     return out, angle_out, ssm_out, k_out, v_out
