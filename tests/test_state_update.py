@@ -1,7 +1,8 @@
 """mambalab.ops.selective_state_update (the Mamba-1/Mamba-2 decode step, one Triton kernel) against
 mambalab.ref.state_update and against mamba-ssm's own ``selective_state_update_ref``: both of mamba-ssm's
 forms (with and without heads), per-head Δ and A broadcast with stride 0 (Mamba-2), groups, D, z, dt_bias,
-softplus, dt_limit, state_batch_indices with a padding row; bad input named before any launch. On a GPU also:
+softplus, dt_limit, state_batch_indices with a padding row, A given as A_log (A_is_log); bad input named before
+any launch. On a GPU also:
 bf16 at the size mamba2-2.7b decodes at batch 64, against the reference and mamba-ssm's Triton kernel.
 
 On the CPU the kernel runs in Triton's interpreter, in fp32."""
@@ -65,6 +66,20 @@ def test_per_channel_and_per_head_paths_agree():
     (out_dense, state_dense), _ = run_both(dense, dt_softplus=True)
     torch.testing.assert_close(out, out_dense, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(state, state_dense, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["mamba1", "mamba2"])
+def test_a_given_as_its_log_gives_the_same_step(form):
+    """A_is_log=True with the blocks' parameter A_log equals the step with A = -exp(A_log) formed outside, in both
+    forms (per channel and state dimension; one per head, broadcast with stride 0)."""
+    inputs = mamba1_inputs(2, 8, 16) if form == "mamba1" else mamba2_inputs(2, 4, 8, 16, 2)
+    A_log = torch.log(-inputs["A"])                                   # keeps the broadcast strides
+    (out, state), _ = run_both(inputs, dt_softplus=True)
+    s_log = inputs["state"].clone()
+    rest = {k: v for k, v in inputs.items() if k not in ("state", "A")}
+    out_log = selective_state_update(s_log, A=A_log, **rest, dt_softplus=True, A_is_log=True)
+    torch.testing.assert_close(s_log, state, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_log, out, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads", [False, True])
@@ -136,3 +151,25 @@ def test_gpu_decode_size_matches_reference_and_mamba_ssm(dtype):
     theirs = kernel(theirs_state, **{k: v for k, v in inputs.items() if k != "state"}, dt_softplus=True)
     torch.testing.assert_close(out.float(), theirs.float(), **tol)
     torch.testing.assert_close(state, theirs_state, **tol)
+
+
+@requires_gpu
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
+def test_gpu_block_step_kernels_match_the_pytorch_step(layer):
+    """A block's decode step under no_grad on a GPU (the Triton kernels: A from A_log inside the state update, the
+    conv update, the gated norm) against the same step while autograd records (the PyTorch form), fp32, three
+    steps from zeroed states: outputs and states agree."""
+    from mambalab.modules import Mamba1, Mamba2
+    torch.manual_seed(0)
+    block = (Mamba1(64, d_state=16) if layer == "Mamba1"
+             else Mamba2(64, d_state=32, headdim=16, ngroups=2, chunk_size=16)).cuda()
+    kernel_states = block.allocate_inference_cache(3)
+    torch_states = tuple(t.clone() for t in kernel_states)
+    for _ in range(3):
+        u = torch.randn(3, 1, 64, device="cuda")
+        with torch.no_grad():
+            out_kernel = block.step(u, *kernel_states)[0]
+        out_torch = block.step(u, *torch_states)[0].detach()    # parameters require grad: the PyTorch step
+        torch.testing.assert_close(out_kernel, out_torch, atol=1e-4, rtol=1e-4)
+        for got, want in zip(kernel_states, torch_states):
+            torch.testing.assert_close(got, want.detach(), atol=1e-4, rtol=1e-4)

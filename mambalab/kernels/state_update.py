@@ -19,7 +19,9 @@ dimension whole (BLOCK_N = next_pow2(n)); BLOCK_D = 16 when that still gives 4,0
 batch-64 decode), else 4 (small batches: more programs to fill the GPU). :func:`state_update_config` decides.
 
 Strides are arguments, so broadcast inputs (stride 0, e.g. Mamba-2's per-head A expanded over (p, n)) cost no
-copy. ``index`` (b,) optionally picks the state row each batch row updates (mamba-ssm's
+copy. ``A_IS_LOG``: the kernel reads the blocks' parameter A_log = log(-A) and forms A = -exp(A_log) itself, in
+fp32 (in a decode step that was three PyTorch kernels a layer: a cast, the exp, the negation).
+``index`` (b,) optionally picks the state row each batch row updates (mamba-ssm's
 ``state_batch_indices``); a negative index marks a padding row: its output is zero and no state is touched.
 """
 from __future__ import annotations
@@ -45,7 +47,7 @@ def state_update_kernel(
     x_ptr,            # (b, h, dim)
     dt_ptr,           # (b, h, dim) (stride 0 along dim when PER_HEAD)
     bias_ptr,         # (h, dim) dt_bias, or a dummy
-    A_ptr,            # (h, dim, n) (strides 0 along dim and n when PER_HEAD)
+    A_ptr,            # (h, dim, n) A, or A_log when A_IS_LOG (strides 0 along dim and n when PER_HEAD)
     B_ptr, C_ptr,     # (b, g, n)
     D_ptr,            # (h, dim), or a dummy
     z_ptr,            # (b, h, dim), or a dummy
@@ -65,7 +67,7 @@ def state_update_kernel(
     dt_min, dt_max,
     SOFTPLUS: tl.constexpr, HAS_LIMIT: tl.constexpr, PER_HEAD: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_INDEX: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    A_IS_LOG: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -96,7 +98,10 @@ def state_update_kernel(
         if HAS_BIAS:
             dt += tl.load(bias_ptr + pid_h * bias_h).to(tl.float32)
         dt = _step_size(dt, dt_min, dt_max, SOFTPLUS, HAS_LIMIT)
-        decay = tl.exp(tl.load(A_ptr + pid_h * A_h).to(tl.float32) * dt)
+        A = tl.load(A_ptr + pid_h * A_h).to(tl.float32)
+        if A_IS_LOG:
+            A = -tl.exp(A)
+        decay = tl.exp(A * dt)
         S = S * decay + (x * dt)[:, None] * Bv[None, :]
     else:          # Δ per channel, A per (channel, state dimension)
         dt = tl.load(dt_ptr + pid_b * dt_b + pid_h * dt_h + offs_d * dt_d, mask=mask_d, other=0.0).to(tl.float32)
@@ -105,6 +110,8 @@ def state_update_kernel(
         dt = _step_size(dt, dt_min, dt_max, SOFTPLUS, HAS_LIMIT)
         A = tl.load(A_ptr + pid_h * A_h + offs_d[:, None] * A_d + offs_n[None, :] * A_n, mask=mask,
                     other=0.0).to(tl.float32)
+        if A_IS_LOG:
+            A = -tl.exp(A)
         S = S * tl.exp(A * dt[:, None]) + (x * dt)[:, None] * Bv[None, :]
     tl.store(s_ptrs, S.to(state_ptr.dtype.element_ty), mask=mask)
 
@@ -125,9 +132,10 @@ def state_update_config(batch: int, heads: int, dim: int, n: int) -> tuple[int, 
     return block_d, block_n, 4
 
 
-def state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_limit, index, per_head: bool):
+def state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt_limit, index, per_head: bool,
+                     A_is_log: bool = False):
     """Launch :func:`state_update_kernel` on 4-d/3-d tensors (the op's shapes, checked there); returns out
-    (b, h, dim) in x's dtype. ``state`` is updated in place."""
+    (b, h, dim) in x's dtype. ``state`` is updated in place. ``A_is_log``: A holds A_log, A = -exp(A_log)."""
     b, h, dim = x.shape
     n = state.shape[-1]
     g = B.shape[1]
@@ -146,6 +154,6 @@ def state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, dt
         lo, hi,
         SOFTPLUS=bool(dt_softplus), HAS_LIMIT=dt_limit is not None, PER_HEAD=per_head,
         HAS_BIAS=dt_bias is not None, HAS_D=D is not None, HAS_Z=z is not None, HAS_INDEX=index is not None,
-        BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps,
+        A_IS_LOG=bool(A_is_log), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=warps,
     )
     return out

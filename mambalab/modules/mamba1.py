@@ -187,14 +187,14 @@ class Mamba1(nn.Module):
         x = causal_conv1d_step(self.conv1d, x, conv_state)                  # (b, d)
 
         dt, B, C = self.x_proj(x).split([r, n, n], dim=-1)                   # (b, r), (b, n), (b, n)
-        A = -torch.exp(self.A_log.float())                                   # (d, n)
         if device.inference_kernels_apply(hidden_states, *self.parameters(recurse=False)):
-            # one Triton kernel: softplus(Δ + bias), the state's one read and write, C, D and the gate; it reads
-            # D and the bias in their own dtype and widens them to fp32 itself (mamba-ssm's call)
+            # one Triton kernel: A = -exp(A_log), softplus(Δ + bias), the state's one read and write, C, D and
+            # the gate; it reads A_log, D and the bias in their own dtype and widens them to fp32 itself
             dt = F.linear(dt, self.dt_proj.weight)                           # (b, d), the bias in the kernel
-            y = selective_state_update(ssm_state, x, dt, A, B, C, self.D, z=z, dt_bias=self.dt_proj.bias,
-                                       dt_softplus=True)
+            y = selective_state_update(ssm_state, x, dt, self.A_log, B, C, self.D, z=z, dt_bias=self.dt_proj.bias,
+                                       dt_softplus=True, A_is_log=True)
         else:
+            A = -torch.exp(self.A_log.float())                               # (d, n)
             dt = F.softplus(self.dt_proj(dt).float())                        # (b, d), bias included here
             h, y = selective_scan_step(ssm_state.float(), x.float(), dt, A, B.float(), C.float(), self.D.float())
             ssm_state.copy_(h)                                               # (b, d, n)

@@ -388,24 +388,25 @@ class Mamba2(nn.Module):
         xBC = causal_conv1d_step(self.conv1d, xBC, conv_state)              # (b, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b, h, p), (b, g, n), (b, g, n)
 
-        A = -torch.exp(self.A_log.to(cd))                                      # (h,)
         if self.scan == "kernel" and device.inference_kernels_apply(hidden_states, *self.parameters(recurse=False)):
-            # one Triton kernel: Δ, the state's one read and write, C, D (and the gate without the norm); it
-            # reads D and dt_bias in their own dtype and widens them to fp32 itself (no cast kernels a step)
+            # one Triton kernel: A = -exp(A_log), Δ, the state's one read and write, C, D (and the gate without
+            # the norm); it reads A_log, D and dt_bias in their own dtype and widens them to fp32 itself (no
+            # kernels a step to prepare them)
             b, h, p, n = ssm_state.shape
             D = self._skip()
             y = selective_state_update(
-                ssm_state, x, dt[..., None].expand(b, h, p), A[:, None, None].expand(h, p, n), B, C,
+                ssm_state, x, dt[..., None].expand(b, h, p), self.A_log[:, None, None].expand(h, p, n), B, C,
                 D if self.D_has_hdim else D[:, None].expand(h, p),
                 z=None if self.rmsnorm else z.unflatten(-1, (h, p)),
                 dt_bias=self.dt_bias[:, None].expand(h, p), dt_softplus=True,
-                dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit).flatten(-2)
+                dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit, A_is_log=True).flatten(-2)
             if self.rmsnorm:
                 y = self.norm(y, z)
             if self.d_mlp > 0:
                 y = torch.cat([F.silu(z0) * x0, y.to(dtype)], dim=-1)              # (b, d_inner)
             return self.out_proj(y.to(dtype)).unsqueeze(1), conv_state, ssm_state
         # Δ = clamp(softplus(dt + dt_bias), *dt_limit), as the scan forms it
+        A = -torch.exp(self.A_log.to(cd))                                      # (h,)
         D = self._skip().to(cd)
         dt = F.softplus(dt.to(cd) + self.dt_bias.to(cd)).clamp(*self.dt_limit)  # (b, h)
         state, y = ssd_step(ssm_state.to(cd), x.to(cd), dt, A, B.to(cd), C.to(cd))

@@ -17,7 +17,7 @@ __all__ = ["selective_state_update"]
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           state_batch_indices=None, *, dt_limit=None):
+                           state_batch_indices=None, *, dt_limit=None, A_is_log=False):
     """One decoding step of a diagonal SSM; ``state`` is updated in place.
 
     Math: :mod:`mambalab.ref.state_update` (whose
@@ -26,7 +26,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     (h, dim, n); B, C (b, n) or (b, g, n) with g dividing h; D, dt_bias (dim,) or (h, dim).
     ``state_batch_indices`` (b,) picks the state row of each batch row (state may then have more rows than
     b); a negative index is a padding row: zero output, no state touched. ``dt_limit`` (mambalab's, keyword
-    only): Δ clamped to (low, high) after the softplus, as Mamba-2's scan does. Inputs may broadcast with
+    only): Δ clamped to (low, high) after the softplus, as Mamba-2's scan does. ``A_is_log`` (mambalab's,
+    keyword only): A holds the blocks' parameter A_log and the kernel uses A = -exp(A_log), in fp32 (a decode
+    step then launches no kernels to form A). Inputs may broadcast with
     stride 0 (Mamba-2 passes its per-head Δ and A expanded over (dim, n)): no copy is made. Returns out, the
     shape and dtype of x. Forward only (decoding), so no input may require grad under autograd.
     """
@@ -77,10 +79,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
         cast = lambda t: None if t is None else t.to(torch.float32)
         work = state.to(torch.float32)
         out = state_update_fwd(work, *(cast(t) for t in (x, dt, A, B, C, D, z, dt_bias)), dt_softplus, dt_limit,
-                               state_batch_indices, per_head)
+                               state_batch_indices, per_head, A_is_log)
         state.copy_(work)
         out = out.to(x.dtype)
     else:
         out = state_update_fwd(state, x, dt, A, B, C, D, z, dt_bias, dt_softplus, dt_limit, state_batch_indices,
-                               per_head)
+                               per_head, A_is_log)
     return out if heads else out[:, 0]
