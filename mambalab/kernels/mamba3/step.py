@@ -210,28 +210,7 @@ def mamba3_step_kernel(
     if pid_p == 0:
         two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
         tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
-    if FLAT:
-        out = tl.zeros((BLOCK_P,), dtype=tl.float32)
-        for r in tl.static_range(R):
-            q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
-                              offs_c, mask_c, cos, sin, BLOCK_N2)
-            qn = tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))
-            y = tl.sum(S * qn[None, :], axis=1)                           # (BLOCK_P,): H' q̂_r
-            if MIMO:
-                wrow = (pid_h * R + r) * p + offs_p
-                if HAS_D:
-                    y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-                if HAS_Z:
-                    zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-                    y = y * zr * tl.sigmoid(zr)
-                out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-            else:
-                if HAS_D:
-                    y += Dh * v_now
-                if HAS_Z:
-                    y = y * z * tl.sigmoid(z)
-                out += y
-    elif RANK_TILE:
+    if RANK_TILE:
         q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
                                qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
                                BLOCK_R, BLOCK_N2)
@@ -252,7 +231,10 @@ def mamba3_step_kernel(
         for r in tl.static_range(R):
             q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
                               offs_c, mask_c, cos, sin, BLOCK_N2)
-            y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
+            if FLAT:
+                y = tl.sum(S * tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))[None, :], axis=1)   # H' q̂_r
+            else:
+                y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
             if MIMO:
                 wrow = (pid_h * R + r) * p + offs_p
                 if HAS_D:
