@@ -1,5 +1,7 @@
 """Shared fixtures. Kernels run on the GPU when there is one, else on the CPU through Triton's interpreter
 (importing mambalab switches it on, so it is imported first)."""
+from pathlib import Path
+
 import mambalab  # noqa: F401  (before anything imports triton)
 import pytest
 import torch
@@ -97,25 +99,58 @@ def rotate_halves(x, theta):
     return turned.reshape(*lead, x.shape[-1])
 
 
+# Executing a chapter (papermill) keeps one core busy for up to two minutes while pytest itself only waits, and
+# CI has two cores. So the notebooks that the selected tests ask for are executed one after another in a
+# background thread from the session's first test, and the tests that read them run last: the same executions,
+# beside the rest of the suite instead of in its way.
+_NOTEBOOKS_TO_EXECUTE = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(trylast=True)   # after -k, -m and --deselect have dropped what will not run
+def pytest_collection_modifyitems(config, items):
+    """Tests that use ``executed_notebook`` go last, in their order; their notebooks are noted for
+    :func:`executed_notebook` to execute from the session's start."""
+    reading = [item for item in items if "executed_notebook" in getattr(item, "fixturenames", ())]
+    if not reading:
+        return
+    ids = {id(item) for item in reading}
+    items[:] = [item for item in items if id(item) not in ids] + reading
+    params = [v for item in reading for v in getattr(getattr(item, "callspec", None), "params", {}).values()]
+    config.stash[_NOTEBOOKS_TO_EXECUTE] = list(dict.fromkeys(
+        p for p in params if isinstance(p, Path) and p.suffix == ".ipynb"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _execute_notebooks_from_the_start(request):
+    """Start :func:`executed_notebook`'s background executions with the session's first test."""
+    if request.config.stash.get(_NOTEBOOKS_TO_EXECUTE, None):
+        request.getfixturevalue("executed_notebook")
+
+
 @pytest.fixture(scope="session")
-def executed_notebook(tmp_path_factory):
+def executed_notebook(request, tmp_path_factory):
     """``executed_notebook(path)``: the notebook at ``path`` executed as ``./run.sh workbook`` executes it
     (papermill, a fresh kernel, no parameter overridden), once per test session; returns the executed copy.
-    tests/test_notebooks.py and the offline-page tests in tests/browser share the run. A failed run raises
-    its error again for every test that asks for that notebook."""
+    tests/test_notebooks.py and the offline-page tests in tests/browser share the run. The notebooks of the
+    selected tests are executed one after another in a background thread from the session's start (see
+    pytest_collection_modifyitems); asking for one waits for its run. A failed run raises its error again for
+    every test that asks for that notebook."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from mambalab import workbook
 
     out = tmp_path_factory.mktemp("executed")
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executed_notebook")
     runs: dict = {}
 
-    def run(path):
+    def submit(path):
         if path not in runs:
-            try:
-                runs[path] = workbook.execute(path, out)
-            except Exception as err:  # kept, so that a second test sees the same failure, not a half-written copy
-                runs[path] = err
-        if isinstance(runs[path], Exception):
-            raise runs[path]
+            runs[path] = pool.submit(workbook.execute, path, out)
         return runs[path]
 
-    return run
+    for path in request.config.stash.get(_NOTEBOOKS_TO_EXECUTE, []):
+        submit(path)
+    try:
+        yield lambda path: submit(path).result()   # the run's exception, raised again, if it failed
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)   # the notebook executing now finishes; none starts

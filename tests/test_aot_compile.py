@@ -4,14 +4,16 @@ The CPU tests run the kernels through Triton's interpreter, which never compiles
 compiler rejects (an annotated global ``LOG2E: tl.constexpr = 1.44`` is a NameError there) passes them all.
 Here each op runs forward and backward at small shapes (and at the benchmarks' tiles) with its launches
 recorded instead of run (:func:`mambalab.aot.record_launches`, as a GPU launch would specialise them, bf16
-kept bf16), and every distinct launch is compiled for sm_90 by Triton's compiler in one child process with
-the interpreter off (:func:`mambalab.aot.compile_in_subprocess`, with an empty Triton cache so that nothing
-is reused); a failure names the launch and shows Triton's error. Each launch must also fit in sm_90's
-shared memory.
+kept bf16), and every distinct launch is compiled for sm_90 by Triton's compiler in a child process with
+the interpreter off (:func:`mambalab.aot.compile_in_subprocess`, one child a core, each with an empty Triton
+cache so that nothing is reused); a failure names the launch and shows Triton's error. Each launch must also
+fit in sm_90's shared memory.
 A last test checks that the recorded launches cover every kernel in the package, so that a new kernel
 cannot slip past. On a GPU this file is skipped: the other tests compile every kernel there for real."""
 import ast
 import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -186,10 +188,19 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Each case's launches, and the outcome of compiling each distinct launch (keyed by Launch.key())."""
+    """Each case's launches, and the outcome of compiling each distinct launch (keyed by Launch.key()).
+
+    The distinct launches are dealt out to one child process per core, each with its own empty Triton cache:
+    Triton compiles on one thread, so one child left all but one core idle."""
     launches = {case: aot.record_launches(run) for case, run in CASES.items()}
     distinct = list({launch.key(): launch for case in launches.values() for launch in case}.values())
-    results = aot.compile_in_subprocess(distinct, ARCH, cache_dir=tmp_path_factory.mktemp("triton_cache"))
+    children = max(1, min(len(os.sched_getaffinity(0)), len(distinct)))
+    caches = [tmp_path_factory.mktemp("triton_cache") for _ in range(children)]
+    with ThreadPoolExecutor(children) as pool:   # each thread waits on its child process
+        shares = pool.map(lambda k: aot.compile_in_subprocess(distinct[k::children], ARCH, cache_dir=caches[k]),
+                          range(children))
+        results = [c for share in shares for c in share]
+    assert len(results) == len(distinct)
     return launches, {c.launch.key(): c for c in results}
 
 
