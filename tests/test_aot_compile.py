@@ -173,6 +173,7 @@ CASES = {
     "mamba3_chunk_scan-r4-packed-atomic": lambda: _mamba3_packed(4, reduction="atomic"),
     "mamba3_chunk_scan-r4-packed-gpu-tiles": lambda: _mamba3_packed(4, p=64, n=128, a=32, chunk=16),
     "mamba3_step-r1": lambda: _mamba3_step(1),
+    "mamba3_step-r2": lambda: _mamba3_step(2),   # step_config's FLAT loop
     "mamba3_step-r4": lambda: _mamba3_step(4),
     "mamba3_step-r4-gpu-tiles": lambda: _mamba3_step(4, p=64, n=128, a=32),
     "state_update-bf16-mamba2": lambda: _state_update(torch.bfloat16),

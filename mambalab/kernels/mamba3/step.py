@@ -99,7 +99,7 @@ def mamba3_step_kernel(
     BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
     RANK_TILE: tl.constexpr,     # all ranks as one (BLOCK_R, ·) tile, or a loop over ranks
     BLOCK_R: tl.constexpr,       # R padded to a power of two
-    FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs)
+    FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs; not with RANK_TILE)
     STREAM: tl.constexpr,        # the state read and written with evict_first (it is touched once a step)
 ):
     pid_b = tl.program_id(0)
@@ -123,13 +123,17 @@ def mamba3_step_kernel(
     cos = tl.cos(theta)
     sin = tl.sin(theta)
 
-    # the state's rows read whole, split into even and odd columns, (BLOCK_P, BLOCK_N2) each
+    # the state's rows read whole, then (but with FLAT) split into even and odd columns, (BLOCK_P, BLOCK_N2) each
     s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + offs_c[None, :]
     if STREAM:
         S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0, eviction_policy="evict_first").to(tl.float32)
     else:
         S = tl.load(ssm_ptr + s_ptrs, mask=mask_pc, other=0.0).to(tl.float32)
-    if not FLAT:
+    if FLAT:
+        # the state's rows as they lie, (BLOCK_P, 2·BLOCK_N2): only the n-vectors are split into pairs, to
+        # turn them, and joined back (k̂ and q̂ in the state's column order); no split or join of the state
+        S = S * alpha
+    else:
         S0, S1 = tl.split(tl.reshape(S, (BLOCK_P, BLOCK_N2, 2)))
         S0 *= alpha
         S1 *= alpha
@@ -141,23 +145,7 @@ def mamba3_step_kernel(
         Dh = tl.load(D_ptr + pid_h).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    if FLAT:
-        # the state's rows as they lie, (BLOCK_P, 2·BLOCK_N2): only the n-vectors are split into pairs, to
-        # turn them, and joined back (k̂ and q̂ in the state's column order); no split or join of the state
-        S = S * alpha
-        for r in tl.static_range(R):
-            wv = 1.0
-            if MIMO:
-                wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-            kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-            S += (beta * v_prev * wv)[:, None] * kp[None, :]                            # β U_prev, rank r
-            k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
-                              offs_c, mask_c, cos, sin, BLOCK_N2)
-            kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
-            S += (gamma * v_now * wv)[:, None] * kn[None, :]                            # γ U, rank r
-            if pid_p == 0:
-                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
-    elif RANK_TILE:
+    if RANK_TILE:
         # every rank at once: (BLOCK_R, ·) tiles, sums over the rank axis in registers
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
@@ -184,20 +172,23 @@ def mamba3_step_kernel(
             wv = 1.0
             if MIMO:
                 wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-            # β U_prev: the previous step's input, rank r
-            kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
-            vp = (beta * v_prev * wv)[:, None]
-            S0 += vp * kp0[None, :]
-            S1 += vp * kp1[None, :]
-            # γ U: this step's input, rank r
+            vp = (beta * v_prev * wv)[:, None]                  # β U_prev: the previous step's input, rank r
+            vn = (gamma * v_now * wv)[:, None]                   # γ U: this step's input, rank r
             k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
                               offs_c, mask_c, cos, sin, BLOCK_N2)
-            vn = (gamma * v_now * wv)[:, None]
-            S0 += vn * k0[None, :]
-            S1 += vn * k1[None, :]
+            kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
+            if FLAT:
+                kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+                S += vp * kp[None, :]
+                S += vn * kn[None, :]
+            else:
+                kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
+                S0 += vp * kp0[None, :]
+                S1 += vp * kp1[None, :]
+                S0 += vn * k0[None, :]
+                S1 += vn * k1[None, :]
             if pid_p == 0:
-                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)),
-                         mask=mask_c)
+                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
     if FLAT:
         S_new = S
     else:
