@@ -262,10 +262,9 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
-                    mimo_v=None, mimo_z=None, mimo_o=None, config: dict | None = None):
+                    mimo_v=None, mimo_z=None, mimo_o=None):
     """Launch the step on validated, contiguous tensors (module docstring). Returns
-    (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32. ``config`` overrides
-    :func:`step_config`'s choices (tests and tile sweeps only)."""
+    (out (b, h, p) in v's dtype, angle', ssm', k̂, v') with the state in fp32."""
     b, h, p = v.shape
     r, g, n = q.shape[1], q.shape[2], q.shape[3]
     a = angle.shape[2]
@@ -278,7 +277,7 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
     mimo = mimo_v is not None
     if mimo and mimo_z is None:   # no gate weights without a gate: a dummy, never read (HAS_Z is False)
         mimo_z = mimo_v
-    config = {**step_config(b, h, p, r), **(config or {})}
+    config = step_config(b, h, p, r)
     grid = (b, h, triton.cdiv(p, config["BLOCK_P"]))
     mamba3_step_kernel[grid](
         angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles,
