@@ -122,26 +122,29 @@ def _sync(device) -> None:
 
 
 def decode_ms_per_token(model: MambaLM, prompt: torch.Tensor, new_tokens: int, cg: bool, repeats: int = 3) -> float:
-    """Milliseconds per decoded token of greedy :func:`generate` (best of ``repeats``): the time of ``new_tokens``
-    tokens minus that of two, over ``new_tokens - 2``: two tokens hold the prefill and the first decode step, so
-    the difference is decode steps alone. A warm-up run first (compilation, autotuning and, with ``cg=True``,
-    the recording of the model's CUDA graph, which later calls replay)."""
-    if new_tokens < 3:
-        raise ValueError(f"new_tokens must be at least 3 (the time of 2 is subtracted); got {new_tokens}")
+    """Milliseconds per decoded token of greedy :func:`generate` (best of ``repeats``), timed from the first new
+    token to the last: the clock starts when the prefill has chosen the first token (the device synchronised
+    there, through ``generate``'s callback) and stops when the last is out, so it holds the ``new_tokens - 1``
+    decode steps alone. A warm-up run first (compilation, autotuning and, with ``cg=True``, the recording of
+    the model's CUDA graph, which later calls replay)."""
+    if new_tokens < 2:
+        raise ValueError(f"new_tokens must be at least 2 (a token from the prefill, then decode steps); got {new_tokens}")
     device = prompt.device
 
-    def run(n: int) -> float:
-        _sync(device)
-        start = time.perf_counter()
-        generate(model, prompt, n, temperature=0, cg=cg)
-        _sync(device)
-        return time.perf_counter() - start
+    def run() -> float:
+        start: list[float] = []
 
-    run(2)
-    best = float("inf")
-    for _ in range(repeats):
-        best = min(best, run(new_tokens) - run(2))
-    return 1e3 * best / (new_tokens - 2)
+        def first_token(_token: torch.Tensor) -> None:
+            if not start:
+                _sync(device)
+                start.append(time.perf_counter())
+
+        generate(model, prompt, new_tokens, temperature=0, cg=cg, callback=first_token)
+        _sync(device)
+        return time.perf_counter() - start[0]
+
+    run()
+    return 1e3 * min(run() for _ in range(repeats)) / (new_tokens - 1)
 
 
 def decode_speed_figure(ms_per_token: Mapping[str, float], *, note: str) -> go.Figure:
