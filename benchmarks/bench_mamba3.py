@@ -204,14 +204,118 @@ def interleaved(x, mimo, dout, rounds):
     return out
 
 
+def step_inputs(batch, h, p, g, n, a, r):
+    """One token's inputs to ``mamba3_step`` (seed 1; trap and angles through sigmoid and π·tanh, as the
+    module applies them), and the MIMO weights ({} at r = 1)."""
+    x, mimo = make(batch, 1, h, p, g, n, a, r, seed=1)
+    tok = {k: (v[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else v) for k, v in x.items()}
+    tok["trap"], tok["angles"] = torch.sigmoid(tok["trap"]), math.pi * torch.tanh(tok["angles"])
+    return tok, mimo
+
+
+def random_ssm_state(batch, h, p, n, r, a):
+    """A decode state whose SSM part is random (the rest zero), fp32 on the GPU."""
+    from mambalab.ref.mamba3 import zero_state
+
+    state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
+    return type(state)(*(torch.randn_like(t) if i == 1 else t for i, t in enumerate(state)))
+
+
+def step_kernel_rates(batch, h, p, g, n, a, ranks=(1, 2, 4), layers=8):
+    """The step kernel's own rate at the memory limit: ``layers`` states of one shape (a model's layers, so no
+    state is still in L2 when its next step reads it), one step on each.
+
+    Per rank: the kernel's mean duration from torch.profiler (CUPTI's device times, no launch or replay in
+    them) and the time per step of a CUDA graph of the ``layers`` steps (what a captured decode loop sees,
+    gaps between kernels included); bytes as :func:`decode` counts them. First row: a plain copy of one fp32
+    state (``copy_``, a device-to-device copy), timed the same two ways."""
+    from mambalab.ops import mamba3_step
+
+    state_numel = batch * h * p * n
+    src = [torch.randn(state_numel, device="cuda") for _ in range(layers)]
+    dst = [torch.empty_like(t) for t in src]
+    rows = [_kernel_and_graph_times("copy of the fp32 state", lambda: [d.copy_(s) for d, s in zip(dst, src)],
+                                    layers, 8 * state_numel, ("memcpy", "copy"))]
+    del src, dst
+    for r in ranks:
+        tok, mimo = step_inputs(batch, h, p, g, n, a, r)
+        states = [random_ssm_state(batch, h, p, n, r, a) for _ in range(layers)]
+        moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
+            + sum(t.numel() * 4 for t in mimo.values())
+        with torch.no_grad():
+            row = _kernel_and_graph_times(f"step r={r}", lambda: [mamba3_step(s, **tok, **mimo) for s in states],
+                                          layers, moved, ("mamba3_step_kernel",))
+        rows.append(dict(row, r=r, batch=batch))
+        del states
+    for row in rows:
+        print("step kernel", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    return rows
+
+
+def step_register_sweep(batch, h, p, g, n, a, layers=8):
+    """The step kernel's register cap (Triton's ``maxnreg``) and a few tiles, timed as :func:`step_kernel_rates`
+    times the rule's choice: fewer registers a thread let more programs share a multiprocessor (Nsight Compute
+    saw 123-128 registers and 23 % achieved occupancy at batch 64), at the risk of spills."""
+    from mambalab.kernels.mamba3 import step as step_kernel
+    from mambalab.ops import mamba3_step
+
+    default = step_kernel.step_config
+    state_numel = batch * h * p * n
+    trials = {1: [{}, dict(maxnreg=96), dict(maxnreg=80), dict(maxnreg=64), dict(BLOCK_P=8, num_warps=1),
+                  dict(BLOCK_P=8, num_warps=1, maxnreg=64), dict(BLOCK_P=16, num_warps=4, maxnreg=64)],
+              2: [{}, dict(maxnreg=96), dict(maxnreg=64)],
+              4: [{}, dict(maxnreg=96), dict(maxnreg=80), dict(maxnreg=64), dict(BLOCK_P=4),
+                  dict(BLOCK_P=4, maxnreg=64), dict(BLOCK_P=16, num_warps=2, maxnreg=64)]}
+    rows = []
+    try:
+        for r, changes in trials.items():
+            tok, mimo = step_inputs(batch, h, p, g, n, a, r)
+            states = [random_ssm_state(batch, h, p, n, r, a) for _ in range(layers)]
+            moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
+                + sum(t.numel() * 4 for t in mimo.values())
+            for change in changes:
+                choice = dict(default(batch, h, p, r), **change)
+                step_kernel.step_config = lambda *_, c=choice: dict(c)
+                try:
+                    with torch.no_grad():
+                        row = _kernel_and_graph_times(f"step r={r}", lambda: [mamba3_step(s, **tok, **mimo)
+                                                                              for s in states],
+                                                      layers, moved, ("mamba3_step_kernel",))
+                except Exception as e:  # noqa: BLE001 - a choice that does not compile is recorded
+                    row = {"case": f"step r={r}", "error": f"{type(e).__name__}: {e}"[:300]}
+                finally:
+                    step_kernel.step_config = default
+                rows.append(dict(row, r=r, batch=batch, **choice))
+                print("step registers", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in rows[-1].items()},
+                      flush=True)
+            del states
+    finally:
+        step_kernel.step_config = default
+    return rows
+
+
+def _kernel_and_graph_times(case, fn, layers, moved, names):
+    """One row of :func:`step_kernel_rates`: ``fn`` runs ``layers`` launches; the profiler rows whose names
+    contain one of ``names`` give the kernel's mean µs; the CUDA graph of ``fn`` gives µs per launch."""
+    prof = profile_table(fn, steps=5, rows=40)
+    hits = [e for e in prof if any(k in e["name"].lower() for k in names) and e["calls_per_step"] >= layers]
+    row = {"case": case, "bytes": moved}
+    if hits:
+        kernel_us = 1e3 * hits[0]["self_ms_per_step"] / hits[0]["calls_per_step"]
+        row.update(kernel_name=hits[0]["name"][:80], kernel_us=kernel_us, kernel_GB_per_s=moved / kernel_us / 1e3)
+    else:
+        row["kernel_us"] = f"no profiler row named {names}: {[e['name'][:60] for e in prof[:6]]}"
+    graph_us = 1e3 * graph_ms(fn) / layers
+    row.update(graph_us_per_step=graph_us, graph_GB_per_s=moved / graph_us / 1e3)
+    return row
+
+
 def decode(batch, h, p, g, n, a, r):
     """Time one mamba3_step; bytes = state in + state out + the token's inputs."""
     from mambalab.ops import mamba3_step
     from mambalab.ref.mamba3 import zero_state
 
-    x, mimo = make(batch, 1, h, p, g, n, a, r, seed=1)
-    tok = {k: (v[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else v) for k, v in x.items()}
-    tok["trap"], tok["angles"] = torch.sigmoid(tok["trap"]), math.pi * torch.tanh(tok["angles"])
+    tok, mimo = step_inputs(batch, h, p, g, n, a, r)
     state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
     with torch.no_grad():
         ms = time_ms(lambda: mamba3_step(state, **tok, **mimo), warmup=10, rep=100)
@@ -237,7 +341,6 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     state (read once, written once), the rate a step that only moved the state would reach."""
     from mambalab.kernels.mamba3 import step as step_kernel
     from mambalab.ops import mamba3_step
-    from mambalab.ref.mamba3 import zero_state
 
     state_numel = batch * h * p * n
     src = torch.randn(state_numel, device="cuda")
@@ -249,11 +352,8 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     default = step_kernel.step_config
     try:
         for r in ranks:
-            x, mimo = make(batch, 1, h, p, g, n, a, r, seed=1)
-            tok = {k: (v[:, 0] if k in ("q", "k", "v", "adt", "dt", "trap", "angles", "z") else v) for k, v in x.items()}
-            tok["trap"], tok["angles"] = torch.sigmoid(tok["trap"]), math.pi * torch.tanh(tok["angles"])
-            state = zero_state(batch, h, p, n, r, a, torch.float32, "cuda")
-            state = type(state)(*(torch.randn_like(t) if i == 1 else t for i, t in enumerate(state)))
+            tok, mimo = step_inputs(batch, h, p, g, n, a, r)
+            state = random_ssm_state(batch, h, p, n, r, a)
             moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
                 + sum(t.numel() * 4 for t in mimo.values())
             with torch.no_grad():

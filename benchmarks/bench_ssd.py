@@ -223,41 +223,81 @@ SWEEP_FORWARD = [dict(block_t=bt, block_k=bk, num_warps=w) for bt, bk, w in
                  ((64, 64, 8), (64, 128, 8), (128, 64, 8), (32, 64, 4), (64, 64, 4))]
 SWEEP_BACKWARD = [dict(bwd_block_t=bt, bwd_num_warps=w) for bt, w in
                   ((32, 8), (32, 4), (64, 8), (64, 4), (16, 4), (128, 8))]
+# ``--sweep forward``: the forward's kernels alone, over more of their choices: the chunk scan's (block_t,
+# block_k, block_p, num_warps, num_stages), then the chunk states' (states_block_t, states_num_warps) with the rule's
+# chunk scan. ``--sweep backward``: the chunk-scan backward's (bwd_block_t, bwd_num_warps, bwd_num_stages), then
+# the backward sweep's (block_p, num_warps), each kernel timed alone.
+SWEEP_FORWARD_WIDE = (
+    [dict(block_t=bt, block_k=bk, block_p=bp, num_warps=w) for bt, bk, bp, w in
+     ((64, 64, 64, 4), (64, 32, 64, 4), (32, 32, 64, 4), (64, 64, 32, 4), (64, 64, 64, 8), (32, 64, 64, 2))]
+    + [dict(num_stages=st) for st in (1, 2, 4)]
+    + [dict(states_block_t=bt, states_num_warps=w) for bt, w in ((32, 2), (64, 2), (32, 1), (16, 2), (64, 1))])
+SWEEP_BACKWARD_WIDE = (
+    [dict(bwd_block_t=bt, bwd_num_warps=w, bwd_num_stages=st) for bt, w, st in
+     ((32, 4, 3), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 4, 1), (64, 8, 1), (16, 4, 1), (32, 2, 1))]
+    + [dict(sweep_block_p=bp, sweep_num_warps=w) for bp, w in ((32, 4), (16, 4), (16, 2), (32, 2), (32, 8))])
 
 
-def sweep(x, dout, chunk):
-    """Forward and backward with other tile configurations (for tuning the rule; deterministic mode): first
-    the forward's tiles with the rule's backward, then the backward's with the rule's forward. Each row
-    times the forward, the backward and the chunk-scan backward kernels alone."""
+def sweep(x, dout, chunk, part="all", rows=None, save=lambda: None):
+    """Forward and backward with other tile configurations (for tuning the rule; deterministic mode).
+
+    ``part="all"``: first the forward's tiles with the rule's backward, then the backward's with the rule's
+    forward; each row times the forward, the backward and the chunk-scan backward kernels alone.
+    ``part="forward"`` / ``"backward"``: the wider lists above, each kernel they change timed alone. Rows are
+    appended to ``rows`` and ``save()`` runs after each, so a run cut short keeps what it measured."""
     import dataclasses
 
     from mambalab.kernels.ssd import backward as bw
-    from mambalab.kernels.ssd import chunk_scan
+    from mambalab.kernels.ssd import chunk_scan, chunk_states, state_sweep
     from mambalab.kernels.ssd.forward import ssd_chunk_scan_fwd
     from mambalab.kernels.ssd.tiles import tile_config
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
     prec = mambalab.device.dot_precision(xx.dtype, xx.device)
     base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk, xx.dtype)
-    rows = []
-    for change in SWEEP_FORWARD + SWEEP_BACKWARD:
-        cfg = dataclasses.replace(base, **change)
+    rows = [] if rows is None else rows
+    changes = {"forward": SWEEP_FORWARD_WIDE, "backward": SWEEP_BACKWARD_WIDE}.get(part,
+                                                                                 SWEEP_FORWARD + SWEEP_BACKWARD)
+    f = ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=base)
+    det = "deterministic"
+    dS = state_sweep.state_sweep_bwd(dout, None, C, f.dA_cumsum, f.entering_states, None, False, base, det, prec)[0]
+    for change in changes:
         row = dict(change)
         try:
-            run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=cfg)
-            f = run_fwd()
-            row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
-            row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, f, xx, dt, A, B, C, D=D, dt_bias=bias,
-                                                                 dt_softplus=True), warmup=2, rep=10)
-            dS = torch.randn_like(f.entering_states)
-            row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
-                dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg, "deterministic", prec),
-                warmup=2, rep=10)
-            row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
+            if part == "backward":
+                if "sweep_block_p" in change:
+                    row["state_sweep_bwd_ms"] = time_ms(lambda: state_sweep.state_sweep_bwd(
+                        dout, None, C, f.dA_cumsum, f.entering_states, None, False, base, det, prec,
+                        block_p=change["sweep_block_p"], num_warps=change["sweep_num_warps"]), warmup=2, rep=10)
+                else:
+                    cfg = dataclasses.replace(base, **change)
+                    row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
+                        dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg, det, prec),
+                        warmup=2, rep=10)
+            else:
+                cfg = dataclasses.replace(base, **change)
+                run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True,
+                                                     cfg=cfg)
+                fc = run_fwd()
+                row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
+                if part == "forward":
+                    row["chunk_states_ms"] = time_ms(lambda: chunk_states.chunk_states_fwd(
+                        xx, B, fc.delta, fc.dA_cumsum, cfg, prec), warmup=2, rep=10)
+                    row["chunk_scan_ms"] = time_ms(lambda: chunk_scan.chunk_scan_fwd(
+                        xx, B, C, fc.delta, fc.dA_cumsum, fc.entering_states, D, None, cfg, prec), warmup=2, rep=10)
+                else:
+                    row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, fc, xx, dt, A, B, C, D=D,
+                                                                         dt_bias=bias, dt_softplus=True),
+                                            warmup=2, rep=10)
+                    row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
+                        dout, xx, B, C, fc.delta, fc.dA_cumsum, fc.entering_states, dS, D, None, cfg, det, prec),
+                        warmup=2, rep=10)
+                    row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
         except Exception as err:  # a configuration that does not compile is recorded, not fatal
             row["error"] = repr(err)[:300]
         print(row, flush=True)
         rows.append(row)
+        save()
     return rows
 
 
@@ -271,7 +311,9 @@ def main():
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--reps", type=int, default=10, help="repeated backward passes for the bit-pattern count")
     p.add_argument("--stages", action="store_true", help="also time each of mambalab's kernel launches")
-    p.add_argument("--sweep", action="store_true", help="also time other tile configurations")
+    p.add_argument("--sweep", nargs="*", choices=["all", "forward", "backward"],
+                   help="also time other tile configurations (forward, backward: each side's kernels alone, more of "
+                        "them; no value: all)")
     p.add_argument("--varlen", type=int, default=0, metavar="N",
                    help="packed sequences: the b·l tokens as one row of N sequences (module docstring)")
     p.add_argument("--profile", action="store_true",
@@ -336,8 +378,9 @@ def main():
         print(case, flush=True)
         result["cases"].append(case)
         write(args.out, result)  # after every case, so a run cut short keeps what it measured
-        if args.sweep:
-            case["tile_sweep"] = sweep(x, dout, args.chunk)
+        for part in ([] if args.sweep is None else args.sweep or ["all"]):
+            rows = case.setdefault("tile_sweep" if part == "all" else f"tile_sweep_{part}", [])
+            sweep(x, dout, args.chunk, part, rows, lambda: write(args.out, result, quiet=True))
             write(args.out, result)
         del x, dout
     write(args.out, result)

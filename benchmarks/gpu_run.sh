@@ -4,14 +4,15 @@
 #   carried: .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #            ipykernel, nbconvert and their missing dependencies) and .carry/ (mamba-ssm's sdist)
 #   usage:   bash benchmarks/gpu_run.sh STEP...   with STEP in: tests, notebooks, bench (with the tile sweep), bench-nosweep,
-#            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic),
-#            ssd-sweep (tile configurations), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
+#            ssd-tests, ssd-bench (mambalab's SSD vs mamba_chunk_scan_combined, default and deterministic; SSD_DTYPES),
+#            ssd-sweep (tile configurations), ssd-fwd-sweep (each side's kernels alone, SWEEP_PARTS, SWEEP_DTYPES: fp32 by default), mamba3-tests, mamba3-bench, det-tests, gpu-tests (every GPU-only test),
 #            tp-bench (TP=1 on one GPU, TP=2 on two), nb-NN (one notebook at its GPU size), gen-tests (generation
 #            and checkpoints, CUDA-graph decoding included), generation (bench_generation.py against mamba-ssm's
 #            generate), decode-b64 (the Mamba-3 decode step at batch 64: time and achieved bandwidth), upstream
 #            (mamba-ssm's own tests against mambalab, upstream sizes), ssd-varlen-bench (8 packed sequences against
-#            mamba_chunk_scan_combined with seq_idx), ssd-varlen-profile (the same, bf16, with each side's kernels),
-#            decode-sweep (the Mamba-3 decode step's tile choices at batch 64), profile-decode (one decode step's
+#            mamba_chunk_scan_combined with seq_idx), ssd-varlen-profile (the same, VARLEN_DTYPES, bf16 by default, with each side's kernels),
+#            decode-sweep (the Mamba-3 decode step's tile choices at batch 64), decode-kernel (its kernel's own rate,
+#            profiler and a graph of 8 layers' steps), decode-ncu (Nsight Compute on it, r = 1 and 4), decode-regs (its register cap), profile-decode (one decode step's
 #            kernels as CUDA graphs, mambalab against mamba-ssm, batch 1),
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
@@ -59,9 +60,9 @@ for step in "$@"; do
                  tests/test_ssd_ref.py tests/test_mamba2.py >"$OUT/ssd-tests.log" 2>&1; tail -5 "$OUT/ssd-tests.log" ;;
     ssd-bench) # mamba-ssm's deterministic mode first: one pinned configuration each, so it compiles fast; its
                # default mode autotunes (many configurations to compile) and gets what time is left
-               timeout "${SSD_DET_T:-110}" python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --out "$OUT/ssd_mamba_deterministic.json" \
+               timeout "${SSD_DET_T:-110}" python3 benchmarks/bench_ssd.py --reps 5 --mamba-deterministic --dtypes ${SSD_DTYPES:-bf16 fp32} --out "$OUT/ssd_mamba_deterministic.json" \
                  >"$OUT/ssd-bench.log" 2>&1
-               timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --precompile-rival "${SSD_JOBS:-12}" --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
+               timeout "${SSD_DEF_T:-150}" python3 benchmarks/bench_ssd.py --reps 5 --stages --precompile-rival "${SSD_JOBS:-12}" --dtypes ${SSD_DTYPES:-bf16 fp32} --out "$OUT/ssd_default.json" >>"$OUT/ssd-bench.log" 2>&1
                tail -3 "$OUT/ssd-bench.log" ;;
     ssd-sweep) # tile configurations of mambalab's SSD beside mamba-ssm's deterministic mode (pinned: compiles fast)
                timeout "${SSD_SWEEP_T:-300}" python3 benchmarks/bench_ssd.py --reps 3 --sweep --mamba-deterministic \
@@ -85,7 +86,7 @@ for step in "$@"; do
                  >"$OUT/gpu-tests.log" 2>&1; tail -8 "$OUT/gpu-tests.log" ;;
     upstream) timeout "${UPSTREAM_T:-400}" python3 -m pytest -q -p no:cacheprovider -rs tests/upstream \
                 >"$OUT/upstream.log" 2>&1; tail -6 "$OUT/upstream.log" ;;
-    ssd-varlen-bench) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic \
+    ssd-varlen-bench) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic --dtypes ${VARLEN_DTYPES:-bf16 fp32} \
                         --out "$OUT/ssd_varlen.json" >"$OUT/ssd-varlen-bench.log" 2>&1; tail -6 "$OUT/ssd-varlen-bench.log" ;;
     tp-bench) timeout "${TP_T:-90}" python3 -m torch.distributed.run --standalone --nproc_per_node 1 benchmarks/bench_tp.py --tp 1 --steps 12 --warmup-steps 4 \
                 --out "$OUT/tp" >"$OUT/tp-bench.log" 2>&1
@@ -123,9 +124,43 @@ from common import environment
 rows = step_sweep(64, 32, 64, 1, 128, 32)
 json.dump(dict(environment=environment(), command='gpu_run.sh decode-sweep', rows=rows), open('$OUT/decode_sweep.json', 'w'), indent=2)
 " >"$OUT/decode-sweep.log" 2>&1; tail -3 "$OUT/decode-sweep.log" ;;
+    decode-kernel) # the step kernel's own duration (profiler) and per step in a graph of 8 layers' steps, at batch 64
+                   timeout "${DK_T:-150}" python3 -c "
+import json, sys; sys.path.insert(0, 'benchmarks')
+from bench_mamba3 import step_kernel_rates
+from common import environment
+rows = step_kernel_rates(64, 32, 64, 1, 128, 32)
+json.dump(dict(environment=environment(), command='gpu_run.sh decode-kernel', rows=rows), open('$OUT/decode_kernel.json', 'w'), indent=2)
+" >"$OUT/decode-kernel.log" 2>&1; tail -5 "$OUT/decode-kernel.log" ;;
+    decode-regs) # the step kernel's register cap and a few tiles, at batch 64 (bench_mamba3.step_register_sweep)
+                 timeout "${DR_T:-200}" python3 -c "
+import json, sys; sys.path.insert(0, 'benchmarks')
+from bench_mamba3 import step_register_sweep
+from common import environment
+rows = []
+out = lambda: json.dump(dict(environment=environment(), command='gpu_run.sh decode-regs', rows=rows), open('$OUT/decode_regs.json', 'w'), indent=2)
+rows.extend(step_register_sweep(64, 32, 64, 1, 128, 32)); out()
+" >"$OUT/decode-regs.log" 2>&1; grep -E "step registers|Error" "$OUT/decode-regs.log" | cut -c1-260 | tail -20 ;;
+    decode-ncu) # Nsight Compute on the step kernel at batch 64, r = 1 then r = 4 (two launches each)
+                timeout "${NCU_T:-180}" ncu --clock-control none -k regex:mamba3_step_kernel -c 4 --section SpeedOfLight \
+                  --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section SchedulerStats \
+                  --section LaunchStats --section ComputeWorkloadAnalysis python3 -c "
+import sys, torch; sys.path.insert(0, 'benchmarks')
+from bench_mamba3 import step_inputs, random_ssm_state
+from mambalab.ops import mamba3_step
+with torch.no_grad():
+    for r in (1, 1, 4, 4):
+        tok, mimo = step_inputs(64, 32, 64, 1, 128, 32, r)
+        mamba3_step(random_ssm_state(64, 32, 64, 128, r, 32), **tok, **mimo)
+    torch.cuda.synchronize()
+" >"$OUT/decode-ncu.log" 2>&1; grep -E "DRAM Throughput|Duration|Memory Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|mamba3_step_kernel|ERR|rror" "$OUT/decode-ncu.log" | head -40 ;;
     profile-decode) ext_ready; timeout "${PD_T:-200}" python3 benchmarks/profile_decode.py --configs ${PD_CONFIGS:-mamba-130m mamba2-130m} --batch 1 \
                       --out "$OUT/profile_decode.json" >"$OUT/profile-decode.log" 2>&1; tail -6 "$OUT/profile-decode.log" ;;
-    ssd-varlen-profile) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic --dtypes bf16 \
+    ssd-fwd-sweep) # the forward's tiles alone, wider (head-dimension blocks too), with each forward step timed
+                   timeout "${SSD_SWEEP_T:-200}" python3 benchmarks/bench_ssd.py --reps 3 --sweep ${SWEEP_PARTS:-forward backward} --stages --mamba-deterministic \
+                     --dtypes ${SWEEP_DTYPES:-fp32} --out "$OUT/ssd_fwd_sweep.json" >"$OUT/ssd-fwd-sweep.log" 2>&1
+                   tail -3 "$OUT/ssd-fwd-sweep.log" ;;
+    ssd-varlen-profile) timeout "${VARLEN_T:-200}" python3 benchmarks/bench_ssd.py --varlen 8 --mamba-deterministic --dtypes ${VARLEN_DTYPES:-bf16} \
                           --profile --out "$OUT/ssd_varlen_profile.json" >"$OUT/ssd-varlen-profile.log" 2>&1
                         tail -3 "$OUT/ssd-varlen-profile.log" ;;
     nb-*) only=${step#nb-}; [ "$only" = 01 ] && ext_ready   # chapter 01 compares with mamba-ssm's CUDA kernel

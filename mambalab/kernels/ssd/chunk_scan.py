@@ -225,7 +225,7 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
         seq_idx if seq_idx is not None else delta, h, p, n, l, g, c, STEP=step, HAS_SEQ=seq_idx is not None,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
-        num_warps=cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
@@ -534,7 +534,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     grid = (b, c, h * n_tblocks)
     flags = dict(HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
                  REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
-                 DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps)
+                 DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps, num_stages=cfg.bwd_num_stages)
     D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
     seq_arg = seq_idx if seq_idx is not None else delta
     chunk_scan_bwd_rows_kernel[grid](

@@ -30,6 +30,10 @@ class TileConfig:
     bwd_num_warps: int | None = None  # warps per chunk-scan backward program; None: num_warps
     sweep_forward: bool = True        # Mamba-3's scan runs steps 1-3 as the forward sweep (state_sweep)
     sweep_bwd_block_p: int | None = None  # head dimensions per backward-sweep program; None: block_p
+    states_block_t: int | None = None     # chunk positions per step of the chunk-states sum; None: block_t
+    states_num_warps: int | None = None   # warps per chunk-states program; None: num_warps
+    num_stages: int = 3                   # software-pipeline stages of the chunk-scan forward (Triton's default)
+    bwd_num_stages: int = 3               # the same for the chunk-scan backward kernels
 
     @property
     def backward_block_t(self) -> int:
@@ -38,6 +42,14 @@ class TileConfig:
     @property
     def backward_num_warps(self) -> int:
         return self.bwd_num_warps or self.num_warps
+
+    @property
+    def chunk_states_block_t(self) -> int:
+        return self.states_block_t or self.block_t
+
+    @property
+    def chunk_states_num_warps(self) -> int:
+        return self.states_num_warps or self.num_warps
 
     @property
     def sweep_backward_block_p(self) -> int:
@@ -49,7 +61,7 @@ class TileConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least {MIN_DOT} (tl.dot)")
         if self.chunk_size < MIN_DOT or self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size={self.chunk_size} must be a power of two >= {MIN_DOT}")
-        for name in ("block_t", "backward_block_t"):
+        for name in ("block_t", "backward_block_t", "chunk_states_block_t"):
             bt = getattr(self, name)
             if bt < MIN_DOT or self.chunk_size % bt or bt & (bt - 1):
                 raise ValueError(f"{name}={bt} must be a power of two >= {MIN_DOT} dividing chunk_size={self.chunk_size}")
@@ -72,6 +84,12 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
       for sm_90); in fp32 (TF32 dots) 4 warps were faster (0.96 against 1.19 ms forward).
     * chunk-scan backward: min(64, q) positions a program and 4 warps for bf16/fp16; min(32, q) and 4 warps
       for fp32 (whose 64-position tiles need 2 × the shared memory and were slower).
+    * fp32 only: the chunk states sum min(32, q) positions a step with 2 warps, and the chunk-scan forward
+      runs its loops unpipelined (num_stages 1; Triton's default, 3, elsewhere). Kernels alone at the shape
+      below (benchmarks/results/2026-12-03_h200_ssd_fp32_kernel_sweep.json; bench_ssd.py --sweep forward
+      backward): chunk states 0.098 ms against 0.334 at (64 positions, 4 warps), 0.095 at (16, 2), 0.319 at
+      (32, 1); chunk scan 0.499 ms against 0.577 at 3 stages, 0.578 at 2, 0.913 at 4. The fp32 chunk-scan
+      backward moved by 3 % at most with its stages (2.62-2.68 ms at 1-3) and is left at the default.
 
     Measured on an H200 (benchmarks/results/2026-11-30_h200_ssd_tile_sweep_vs_mamba_deterministic.json; b=4, l=4096, h=32,
     p=64, n=128, q=256, deterministic mode; kernel times without the op's Python): the backward took
@@ -127,6 +145,9 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
         bwd_num_warps=4,
         sweep_forward=narrow and chunk_size <= 64,
         sweep_bwd_block_p=min(32, block_p),
+        states_block_t=None if narrow else min(32, chunk_size),
+        states_num_warps=None if narrow else 2,
+        num_stages=3 if narrow else 1,
     )
 
 
