@@ -270,6 +270,11 @@ def test_tile_rule():
         assert (half.block_t, half.block_p, half.block_n) == (cfg.block_t, cfg.block_p, cfg.block_n)
         assert (half.backward_block_t, half.backward_num_warps, half.num_warps) == (64, 4, 8)
     assert kernels.tile_config(24, 64, 128, 32, torch.bfloat16).backward_block_t == 32   # never beyond the chunk
+    # fp32: the chunk states' own positions a step and warps, the chunk-scan forward unpipelined; 16-bit: the
+    # forward's block_t and warps, Triton's 3 stages
+    assert (cfg.chunk_states_block_t, cfg.chunk_states_num_warps, cfg.num_stages, cfg.bwd_num_stages) == (32, 2, 1, 3)
+    assert (half.chunk_states_block_t, half.chunk_states_num_warps, half.num_stages) == (64, 8, 3)
+    assert kernels.tile_config(24, 64, 128, 16).chunk_states_block_t == 16                # never beyond the chunk
     # the sweeps: the forward for 16-bit inputs and chunks of one block (the rule's warps); the backward 32
     # head dimensions a program
     assert (cfg.sweep_forward, cfg.sweep_backward_block_p) == (False, 32)
@@ -287,6 +292,7 @@ def test_tile_rule():
                           (dict(chunk_size=24), "power of two >= 16"),
                           (dict(block_t=64), "block_t=64 must be a power of two >= 16 dividing"),
                           (dict(bwd_block_t=8), "backward_block_t=8 must be a power of two >= 16 dividing"),
+                          (dict(states_block_t=48), "chunk_states_block_t=48 must be a power of two >= 16 dividing"),
                           (dict(block_k=64), "block_k=64 must divide")):
         with pytest.raises(ValueError, match=words):
             kernels.TileConfig(**dict(ok, **change))
