@@ -24,6 +24,9 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   with ``--blocks-only``, nothing else.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
+* For ``gpu_run.sh`` steps, not run by ``main``: :func:`step_kernel_rates` (the step kernel's own duration over
+  several layers' states, ``decode-kernel``), :func:`step_sweep` (its tile choices, ``decode-sweep``) and
+  :func:`step_register_sweep` (its register cap, ``decode-regs``).
 
     python benchmarks/bench_mamba3.py --out DIR [--profile] [--precompile-rival N]   # writes DIR/bench_mamba3.json
 """
