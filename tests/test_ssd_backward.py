@@ -140,6 +140,44 @@ def test_the_16_bit_rule_tiles():
             assert_close(gr, want[k], f"{k} ({reduction})")
 
 
+@pytest.mark.parametrize("g, packed", [(1, False), (2, True)])
+def test_precomputed_cb_gives_the_references_results(g, packed):
+    """TileConfig.precompute_cb: the chunk scan's forward and backward read C Bᵀ from chunk_cb's one launch
+    per group instead of forming it in each head's programs. Forward and every gradient against the
+    reference (packed sequences, z and D included), and against the same tiles forming C Bᵀ themselves."""
+    import dataclasses
+
+    b, l, h, p, n, q = 1, 75, 4, 8, 16, 32
+    inp = make_inputs(b, l, h, p, g, n, D="h")
+    seq = None
+    if packed:   # three sequences, a boundary inside the second chunk and one at a chunk's edge
+        seq = torch.repeat_interleave(torch.arange(3), torch.tensor([41, 23, 11]))[None].to(torch.int32)
+        seq = seq.to(KERNEL_DEVICE)
+    kw = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
+    dout, dfinal = cotangents(b, l, h, p, n)
+    base = kernels.tile_config(h, p, n, q)
+    results = {}
+    for pre in (False, True):
+        cfg = dataclasses.replace(base, precompute_cb=pre)
+        fwd = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, **{k: inp[k] for k in NAMES[5:]},
+                                         cfg=cfg, seq_idx=seq, **kw)
+        grads = kernels.ssd_chunk_scan_bwd(dout, None if packed else dfinal, fwd, *(inp[k] for k in NAMES[:5]),
+                                           D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], has_initial_states=True,
+                                           seq_idx=seq, **kw)
+        results[pre] = (fwd.out, *grads)
+    cpu = lambda t: t.float().cpu() if t is not None else None
+    want_out = ssd_ref(*(cpu(inp[k]) for k in NAMES[:5]), chunk_size=q, **{k: cpu(inp[k]) for k in NAMES[5:]},
+                       seq_idx=cpu(seq).long() if packed else None, method="recurrent" if packed else "chunked", **kw)
+    assert_close(results[True][0], want_out, "out")
+    for i, (with_cb, without) in enumerate(zip(results[True], results[False])):
+        if without is not None:
+            assert_close(with_cb, without.float().cpu(), f"result {i}")
+    if not packed:
+        want = ref_grads(inp, dout, dfinal, chunk_size=q, **kw)
+        for k, gr in zip(NAMES, results[True][1:]):
+            assert_close(gr, want[k], k)
+
+
 @pytest.mark.parametrize("g", [4, 2])
 def test_chunk_backward_writes_dB_dC_in_the_asked_dtype_only_when_nothing_is_folded(g):
     """chunk_scan_bwd's ``bc_dtype`` (Mamba-3's scan asks for its inputs' dtype): with g = h and the

@@ -8,6 +8,7 @@ step is checked against the matching step of :mod:`mambalab.ref.ssd`:
     state_passing  step 2: H_{c+1} = exp(cs_last,c) H_c + S_c                      (ref: state_passing)
     chunk_scan     step 3: Y = (L ∘ C Bᵀ)(Δ X) + exp(cs) C Hᵀ + D x, ⊙ silu(z)   (ref: chunk_diagonal_outputs
                            + chunk_state_outputs)
+    chunk_cb       C Bᵀ of each chunk, once per group, for the chunk scan to read (TileConfig.precompute_cb)
     state_sweep    steps 1-3 as one sweep over the chunks per head with the state on chip (Mamba-3's scan,
                    16-bit), and the backward's state steps the same way (every backward)
     forward        the four launched in order: :func:`ssd_chunk_scan_fwd` (:func:`steps_1_to_3`: split or swept)

@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
+from mambalab.kernels.ssd.chunk_cb import chunk_cb
 from mambalab.kernels.ssd.packed import _chunk_mixed, _seq_before, _seq_block, _seq_last
 from mambalab.kernels.ssd.tiles import TileConfig, backward_block_p
 
@@ -102,6 +103,13 @@ def _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP: tl.constex
 
 
 @triton.jit
+def _chunk_cb_block(cb_ptr, pid_b, pid_c, group, g, c, offs_t, offs_s, Q: tl.constexpr):
+    """Rows offs_t, columns offs_s (positions in the chunk) of the chunk's C Bᵀ from :mod:`chunk_cb`."""
+    base = (((pid_b * c + pid_c) * g + group) * Q + offs_t[:, None]).to(tl.int64) * Q
+    return tl.load(cb_ptr + base + offs_s[None, :])
+
+
+@triton.jit
 def _same_sequence(W, L, seq_t, seq_s):
     """W and L (rows t × columns s) kept where t and s belong to one sequence, 0 elsewhere."""
     same = seq_t[:, None] == seq_s[None, :]
@@ -121,9 +129,11 @@ def chunk_scan_fwd_kernel(
     out_ptr,          # (b, l, h, p) out, in x's dtype
     same_ptr,         # (b, h, c, q) fp32 the same-step weight at each position (STEP > 0), or a dummy
     seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
+    cb_ptr,           # (b, c, g, q, q) fp32 C Bᵀ of each chunk (CB_PRE, chunk_cb.py), or a dummy
     h, p, n, l, g, c,  # sizes
     STEP: tl.constexpr,              # positions a step (Mamba-3's ranks; _intra_weights), 0: plain SSD
     HAS_SEQ: tl.constexpr,           # packed sequences: no weight crosses a change of seq_idx
+    CB_PRE: tl.constexpr,            # C Bᵀ read from cb_ptr rather than formed here
     HAS_D: tl.constexpr,
     D_PER_DIM: tl.constexpr,         # D is (h, p) rather than (h,)
     HAS_Z: tl.constexpr,
@@ -174,14 +184,17 @@ def chunk_scan_fwd_kernel(
     # Inside the chunk: Σ_{s ≤ t} exp(cs_t - cs_s) (C_t · B_s) Δ_s x_s, over blocks of s up to the diagonal.
     for s0 in range(0, (tblk + 1) * BLOCK_T, BLOCK_T):
         offs_s, mask_s, row_s = _positions(pid_b, pid_c, s0, l, Q, BLOCK_T)
-        B_rows = (row_s[:, None] * g + group) * n                                    # (BLOCK_T, 1)
-        cb = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
-        for k0 in range(0, n, BLOCK_K):
-            k = k0 + offs_k
-            mask_k = k < n
-            Ck = tl.load(C_ptr + C_rows + k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-            Bk = tl.load(B_ptr + B_rows + k[None, :], mask=mask_s[:, None] & mask_k[None, :], other=0.0)
-            cb += tl.dot(Ck.to(dot_ty), tl.trans(Bk.to(dot_ty)), input_precision=DOT_PRECISION)      # (BT, BT)
+        if CB_PRE:
+            cb = _chunk_cb_block(cb_ptr, pid_b, pid_c, group, g, c, offs_t, offs_s, Q)
+        else:
+            B_rows = (row_s[:, None] * g + group) * n                                # (BLOCK_T, 1)
+            cb = tl.zeros((BLOCK_T, BLOCK_T), dtype=tl.float32)
+            for k0 in range(0, n, BLOCK_K):
+                k = k0 + offs_k
+                mask_k = k < n
+                Ck = tl.load(C_ptr + C_rows + k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+                Bk = tl.load(B_ptr + B_rows + k[None, :], mask=mask_s[:, None] & mask_k[None, :], other=0.0)
+                cb += tl.dot(Ck.to(dot_ty), tl.trans(Bk.to(dot_ty)), input_precision=DOT_PRECISION)  # (BT, BT)
         cs_s = tl.load(cs_ptr + chunk + offs_s)
         delta_s = tl.load(delta_ptr + chunk + offs_s)
         W, L, earlier = _intra_weights(offs_t, offs_s, cs_t, cs_s, delta_s, same_t, STEP)   # (BT, BT)
@@ -218,11 +231,13 @@ def chunk_scan_fwd(x, B, C, delta, cs, entering, D, z, cfg: TileConfig, dot_prec
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
     out = torch.empty_like(x)
+    cb = chunk_cb(B, C, cfg, dot_precision) if cfg.precompute_cb else None
     grid = (b, c, h * (q // cfg.block_t) * triton.cdiv(p, cfg.block_p))
     chunk_scan_fwd_kernel[grid](
         x, B, C, delta, cs, entering,
         D if D is not None else x, z if z is not None else x, out, same if step else delta,
-        seq_idx if seq_idx is not None else delta, h, p, n, l, g, c, STEP=step, HAS_SEQ=seq_idx is not None,
+        seq_idx if seq_idx is not None else delta, cb if cb is not None else delta, h, p, n, l, g, c, STEP=step,
+        HAS_SEQ=seq_idx is not None, CB_PRE=cb is not None,
         HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
         BLOCK_T=cfg.block_t, BLOCK_P=cfg.block_p, BLOCK_K=cfg.block_k, Q=cfg.chunk_size, DOT_PRECISION=dot_precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -305,8 +320,9 @@ def chunk_scan_bwd_rows_kernel(
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     dsame_ptr,        # (b, h, c, q) fp32 out: their gradient (STEP > 0), or a dummy
     seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
+    cb_ptr,           # (b, c, g, q, q) fp32 C Bᵀ of each chunk (CB_PRE), or a dummy
     h, p, n, l, g, c, n_blocks_total,   # n_blocks_total = b·c·(q / BLOCK_T): dD partials per head
-    STEP: tl.constexpr, HAS_SEQ: tl.constexpr,
+    STEP: tl.constexpr, HAS_SEQ: tl.constexpr, CB_PRE: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -357,7 +373,10 @@ def chunk_scan_bwd_rows_kernel(
         if HAS_SEQ:
             if mixed:
                 W, L = _same_sequence(W, L, seq_t, _seq_block(seq_ptr, row_s, mask_s))
-        CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)                 # (BT, BT)
+        if CB_PRE:
+            CB = _chunk_cb_block(cb_ptr, pid_b, pid_c, group, g, c, offs_t, offs_s, Q)
+        else:
+            CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)             # (BT, BT)
         dYx = tl.dot(dY_dot, tl.trans(xs), input_precision=DOT_PRECISION)            # (BT, BT)
         if STEP > 0:
             if HAS_Z:
@@ -419,8 +438,9 @@ def chunk_scan_bwd_columns_kernel(
     dws_ptr,          # (b, h, c, q) fp32 out: dws_s, gradient of chunk states' exponent cs_{q-1} - cs_s
     same_ptr,         # (b, h, c, q) fp32 same-step weights (STEP > 0), or a dummy
     seq_ptr,          # (b, l) int32 sequence of each position (HAS_SEQ), or a dummy
+    cb_ptr,           # (b, c, g, q, q) fp32 C Bᵀ of each chunk (CB_PRE), or a dummy
     h, p, n, l, g, c,
-    STEP: tl.constexpr, HAS_SEQ: tl.constexpr,
+    STEP: tl.constexpr, HAS_SEQ: tl.constexpr, CB_PRE: tl.constexpr,
     HAS_D: tl.constexpr, D_PER_DIM: tl.constexpr, HAS_Z: tl.constexpr, REDUCE_ATOMIC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, Q: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -470,7 +490,10 @@ def chunk_scan_bwd_columns_kernel(
         if HAS_SEQ:
             if mixed:
                 W, L = _same_sequence(W, L, _seq_block(seq_ptr, row_t, mask_t), seq_s)
-        CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
+        if CB_PRE:
+            CB = _chunk_cb_block(cb_ptr, pid_b, pid_c, group, g, c, offs_t, offs_s, Q)
+        else:
+            CB = tl.dot(Ct, tl.trans(Bs), input_precision=DOT_PRECISION)
         LCB = L * CB
         dYx = tl.dot(dY, tl.trans(xs_dot), input_precision=DOT_PRECISION)
         if STEP > 0:
@@ -537,16 +560,19 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
                  DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps, num_stages=cfg.bwd_num_stages)
     D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
     seq_arg = seq_idx if seq_idx is not None else delta
+    cb = chunk_cb(B, C, cfg, dot_precision) if cfg.precompute_cb else None
+    flags.update(HAS_SEQ=seq_idx is not None, CB_PRE=cb is not None, STEP=step)
+    cb_arg = cb if cb is not None else delta
     chunk_scan_bwd_rows_kernel[grid](
         x, B, C, delta, cs, entering, D_arg, z_arg, dout,
         dz if dz is not None else dx, dC, dcs_row, dD if dD is not None else ddelta,
-        same if step else delta, dsame if step else delta, seq_arg,
-        h, p, n, l, g, c, b * c * n_tblocks, STEP=step, HAS_SEQ=seq_idx is not None, **flags,
+        same if step else delta, dsame if step else delta, seq_arg, cb_arg,
+        h, p, n, l, g, c, b * c * n_tblocks, **flags,
     )
     chunk_scan_bwd_columns_kernel[grid](
         x, B, C, delta, cs, dstates, D_arg, z_arg, dout,
-        dx, dB, ddelta, dcs_col, dws, same if step else delta, seq_arg,
-        h, p, n, l, g, c, STEP=step, HAS_SEQ=seq_idx is not None, **flags,
+        dx, dB, ddelta, dcs_col, dws, same if step else delta, seq_arg, cb_arg,
+        h, p, n, l, g, c, **flags,
     )
     if not atomic and g < h:   # fold the heads of each group, in head order
         dB = sum_partials(dB.view(b * l * g, h // g, n), dim=1).view(b, l, g, n)

@@ -34,6 +34,7 @@ class TileConfig:
     states_num_warps: int | None = None   # warps per chunk-states program; None: num_warps
     num_stages: int = 3                   # software-pipeline stages of the chunk-scan forward (Triton's default)
     bwd_num_stages: int = 3               # the same for the chunk-scan backward kernels
+    precompute_cb: bool = False           # the chunk scan reads C Bᵀ formed once per group (chunk_cb.py)
 
     @property
     def backward_block_t(self) -> int:
@@ -100,6 +101,11 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which specialises g = 1 to
     a constant as a launch does) and is still the fastest.
 
+    * C Bᵀ: formed by the chunk scan in each head's programs (``precompute_cb`` off). ``precompute_cb`` makes
+      it one launch per group (:mod:`mambalab.kernels.ssd.chunk_cb`) that the forward and backward read; for
+      sm_90 it takes the fp32 chunk-scan forward from 244 to 180 registers a thread and the backward's spills
+      from 296 and 48 B to 0 and 4, while in bf16 the backward's spills grow (rows 116 B against 60, columns
+      1,060 against 812; benchmarks/ptxas_ssd.py). ``bench_ssd.py --sweep forward backward`` times it beside the rule.
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
       the tile rule's BLOCK_P and warps (8 for 16-bit inputs and a state of 64 × 64 or more). Mamba-3's scan takes
