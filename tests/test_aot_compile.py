@@ -12,6 +12,7 @@ A last test checks that the recorded launches cover every kernel in the package,
 cannot slip past. On a GPU this file is skipped: the other tests compile every kernel there for real."""
 import ast
 import contextlib
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -62,6 +63,21 @@ def _selective_scan(dtype, g=None, extras=True, l=200):
 def _ssd(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
     x = _leaves(make_ssd_inputs(2, 2 * chunk, h, p, g, n, D="hp", dtype=dtype, param_dtype=torch.float32))
     _backward(ssd_chunk_scan(**x, chunk_size=chunk, dt_softplus=True, return_final_states=True, reduction=reduction))
+
+
+def _precomputed_cb(case):
+    """``case`` with the SSD tile rule's precompute_cb set (the chunk scan reads chunk_cb's C Bᵀ; off in the
+    rule, timed by bench_ssd.py's sweeps): the kernels that path launches compile too."""
+    from mambalab.kernels.ssd import forward, tiles
+
+    def run():
+        rule = forward.tile_config
+        forward.tile_config = lambda *a, **k: dataclasses.replace(tiles.tile_config(*a, **k), precompute_cb=True)
+        try:
+            case()
+        finally:
+            forward.tile_config = rule
+    return run
 
 
 def _ssd_packed(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
@@ -163,6 +179,9 @@ CASES = {
     "ssd_chunk_scan-bf16-packed": lambda: _ssd_packed(torch.bfloat16),
     "ssd_chunk_scan-fp32-packed-atomic": lambda: _ssd_packed(torch.float32, "atomic"),
     "ssd_chunk_scan-bf16-packed-gpu-tiles": lambda: _ssd_packed(torch.bfloat16, h=2, p=64, g=1, n=128, chunk=256),
+    "ssd_chunk_scan-fp32-precomputed-cb": _precomputed_cb(lambda: _ssd_packed(torch.float32)),
+    "ssd_chunk_scan-bf16-precomputed-cb-gpu-tiles": _precomputed_cb(
+        lambda: _ssd(torch.bfloat16, h=2, p=64, g=1, n=128, chunk=256)),
     "selective_scan_minimal-loop": lambda: _scan_minimal("loop", 32),
     "selective_scan_minimal-assoc": lambda: _scan_minimal("assoc", 4),
     "mamba3_chunk_scan-r1": lambda: _mamba3(1),
