@@ -58,6 +58,13 @@ def _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
 
 
 @triton.jit
+def _turned(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
+    """:func:`_rotated`, with the whole turned row in column order too: (even, odd, whole)."""
+    x0, x1 = _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2)
+    return x0, x1, tl.reshape(tl.join(x0, x1), (2 * BLOCK_N2,))
+
+
+@triton.jit
 def _turn(angle_ptr, angles_ptr, dt, bh, a, offs_i):
     """θ' = θ + angles ⊙ Δ for one (batch row, head), pairs past a left at 0: returns (θ', cos θ', sin θ',
     the mask of the a pairs)."""
@@ -83,8 +90,7 @@ def _rank_vector(turned_ptr, x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2
         whole = tl.load(turned_ptr + offs_c, mask=mask_c, other=0.0)
         x0, x1 = tl.split(tl.reshape(whole, (BLOCK_N2, 2)))
     else:
-        x0, x1 = _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2)
-        whole = tl.reshape(tl.join(x0, x1), (2 * BLOCK_N2,))
+        x0, x1, whole = _turned(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2)
     return x0, x1, whole
 
 
@@ -111,12 +117,12 @@ def mamba3_rotate_kernel(
     theta, cos, sin, mask_a = _turn(angle_ptr, angles_ptr, dt, bh, a, offs_i)
     for r in tl.static_range(R):
         row = (bh * R + r) * n + offs_c
-        k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n, offs_c, mask_c,
-                          cos, sin, BLOCK_N2)
-        tl.store(k_out_ptr + row, tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,)), mask=mask_c)
-        q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n, offs_c, mask_c,
-                          cos, sin, BLOCK_N2)
-        tl.store(q_out_ptr + row, tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,)), mask=mask_c)
+        src = ((pid_b * R + r) * g + grp) * n
+        bias = (pid_h * R + r) * n
+        tl.store(k_out_ptr + row, _turned(k_ptr + src, kbias_ptr + bias, offs_c, mask_c, cos, sin, BLOCK_N2)[2],
+                 mask=mask_c)
+        tl.store(q_out_ptr + row, _turned(q_ptr + src, qbias_ptr + bias, offs_c, mask_c, cos, sin, BLOCK_N2)[2],
+                 mask=mask_c)
     _store_angle(angle_out_ptr, bh, a, offs_i, theta, mask_a)
 
 

@@ -555,13 +555,13 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
         pd = p if D.dim() == 2 else 1
         dD = torch.zeros(h, pd, **f32) if atomic else torch.empty(h, b * c * n_tblocks, pd, **f32)
     grid = (b, c, h * n_tblocks)
-    flags = dict(HAS_D=D is not None, D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None,
-                 REDUCE_ATOMIC=atomic, BLOCK_T=block_t, BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q,
-                 DOT_PRECISION=dot_precision, num_warps=cfg.backward_num_warps, num_stages=cfg.bwd_num_stages)
+    cb = chunk_cb(B, C, cfg, dot_precision) if cfg.precompute_cb else None
+    flags = dict(STEP=step, HAS_SEQ=seq_idx is not None, CB_PRE=cb is not None, HAS_D=D is not None,
+                 D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic, BLOCK_T=block_t,
+                 BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
+                 num_warps=cfg.backward_num_warps, num_stages=cfg.bwd_num_stages)
     D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
     seq_arg = seq_idx if seq_idx is not None else delta
-    cb = chunk_cb(B, C, cfg, dot_precision) if cfg.precompute_cb else None
-    flags.update(HAS_SEQ=seq_idx is not None, CB_PRE=cb is not None, STEP=step)
     cb_arg = cb if cb is not None else delta
     chunk_scan_bwd_rows_kernel[grid](
         x, B, C, delta, cs, entering, D_arg, z_arg, dout,
