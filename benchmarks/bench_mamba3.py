@@ -224,13 +224,21 @@ def random_ssm_state(batch, h, p, n, r, a):
     return type(state)(*(torch.randn_like(t) if i == 1 else t for i, t in enumerate(state)))
 
 
+def ssm_step_bytes(state_numel, tok, mimo):
+    """The bytes a step moves as the sweeps count them: the fp32 SSM state read and written once, and the
+    token's inputs and MIMO weights. The angle, k and v states are left out (at batch 64, h32 p64 n128 a32 they
+    would add 3 % at r = 1 and 7 % at r = 4); :func:`decode` counts every part of the state."""
+    return 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
+        + sum(t.numel() * 4 for t in mimo.values())
+
+
 def step_kernel_rates(batch, h, p, g, n, a, ranks=(1, 2, 4), layers=8):
     """The step kernel's own rate at the memory limit: ``layers`` states of one shape (a model's layers, so no
     state is still in L2 when its next step reads it), one step on each.
 
     Per rank: the kernel's mean duration from torch.profiler (CUPTI's device times, no launch or replay in
     them) and the time per step of a CUDA graph of the ``layers`` steps (what a captured decode loop sees,
-    gaps between kernels included); bytes as :func:`decode` counts them. First row: a plain copy of one fp32
+    gaps between kernels included); bytes by :func:`ssm_step_bytes`. First row: a plain copy of one fp32
     state (``copy_``, a device-to-device copy), timed the same two ways."""
     from mambalab.ops import mamba3_step
 
@@ -243,8 +251,7 @@ def step_kernel_rates(batch, h, p, g, n, a, ranks=(1, 2, 4), layers=8):
     for r in ranks:
         tok, mimo = step_inputs(batch, h, p, g, n, a, r)
         states = [random_ssm_state(batch, h, p, n, r, a) for _ in range(layers)]
-        moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
-            + sum(t.numel() * 4 for t in mimo.values())
+        moved = ssm_step_bytes(state_numel, tok, mimo)
         with torch.no_grad():
             row = _kernel_and_graph_times(f"step r={r}", lambda: [mamba3_step(s, **tok, **mimo) for s in states],
                                           layers, moved, ("mamba3_step_kernel",))
@@ -278,8 +285,7 @@ def step_register_sweep(batch, h, p, g, n, a, layers=8):
         for r, changes in trials.items():
             tok, mimo = step_inputs(batch, h, p, g, n, a, r)
             states = [random_ssm_state(batch, h, p, n, r, a) for _ in range(layers)]
-            moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
-                + sum(t.numel() * 4 for t in mimo.values())
+            moved = ssm_step_bytes(state_numel, tok, mimo)
             for change in changes:
                 choice = dict(default(batch, h, p, r), **change)
                 step_kernel.step_config = lambda *_, c=choice: dict(c)
@@ -343,7 +349,7 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     """The decode step's tile choices at one shape, replayed as CUDA graphs (:func:`common.graph_ms`): for each
     rank, each way through the ranks (loop on the state's pairs, register tile, loop on the state's rows as they
     lie; :func:`mambalab.kernels.mamba3.step_config` and the kernel's docstring) at a few BLOCK_P and warps, with the state read and written plainly or with
-    evict_first (STREAM). Each row: µs, GB/s (:func:`decode`'s bytes) and the largest |difference| from
+    evict_first (STREAM). Each row: µs, GB/s (:func:`ssm_step_bytes`) and the largest |difference| from
     the default choice's output and state, relative to their largest magnitude. First row: a plain copy of the
     state (read once, written once), the rate a step that only moved the state would reach."""
     from mambalab.kernels.mamba3 import step as step_kernel
@@ -361,8 +367,7 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
         for r in ranks:
             tok, mimo = step_inputs(batch, h, p, g, n, a, r)
             state = random_ssm_state(batch, h, p, n, r, a)
-            moved = 2 * state_numel * 4 + sum(t.numel() * t.element_size() for t in tok.values()) \
-                + sum(t.numel() * 4 for t in mimo.values())
+            moved = ssm_step_bytes(state_numel, tok, mimo)
             with torch.no_grad():
                 base_out, base_state = mamba3_step(state, **tok, **mimo)
                 for way in ways:

@@ -258,44 +258,49 @@ def sweep(x, dout, chunk, part="all", rows=None, save=lambda: None):
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
     prec = mambalab.device.dot_precision(xx.dtype, xx.device)
     base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk, xx.dtype)
-    rows = [] if rows is None else rows
-    changes = {"forward": SWEEP_FORWARD_WIDE, "backward": SWEEP_BACKWARD_WIDE}.get(part,
-                                                                                 SWEEP_FORWARD + SWEEP_BACKWARD)
-    f = ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=base)
     det = "deterministic"
+    forward = lambda cfg: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=cfg)
+    f = forward(base)
     dS = state_sweep.state_sweep_bwd(dout, None, C, f.dA_cumsum, f.entering_states, None, False, base, det, prec)[0]
+    timed = lambda fn: time_ms(fn, warmup=2, rep=10)
+    scan_bwd = lambda fc, cfg: timed(lambda: chunk_scan.chunk_scan_bwd(
+        dout, xx, B, C, fc.delta, fc.dA_cumsum, fc.entering_states, dS, D, None, cfg, det, prec))
+
+    # Each fills ``row`` as it goes, so a configuration that fails part-way keeps what it measured.
+    def forward_row(change, row):     # the forward, its chunk states and its chunk scan
+        cfg = dataclasses.replace(base, **change)
+        fc = forward(cfg)
+        row["fwd_ms"] = timed(lambda: forward(cfg))
+        row["chunk_states_ms"] = timed(lambda: chunk_states.chunk_states_fwd(xx, B, fc.delta, fc.dA_cumsum, cfg,
+                                                                             prec))
+        row["chunk_scan_ms"] = timed(lambda: chunk_scan.chunk_scan_fwd(xx, B, C, fc.delta, fc.dA_cumsum,
+                                                                       fc.entering_states, D, None, cfg, prec))
+
+    def backward_row(change, row):    # the chunk-scan backward, or the backward sweep
+        if "sweep_block_p" in change:
+            row["state_sweep_bwd_ms"] = timed(lambda: state_sweep.state_sweep_bwd(
+                dout, None, C, f.dA_cumsum, f.entering_states, None, False, base, det, prec,
+                block_p=change["sweep_block_p"], num_warps=change["sweep_num_warps"]))
+        else:
+            row["chunk_scan_bwd_ms"] = scan_bwd(f, dataclasses.replace(base, **change))
+
+    def whole_row(change, row):       # forward and backward through the op's kernels
+        cfg = dataclasses.replace(base, **change)
+        fc = forward(cfg)
+        row["fwd_ms"] = timed(lambda: forward(cfg))
+        row["bwd_ms"] = timed(lambda: bw.ssd_chunk_scan_bwd(dout, None, fc, xx, dt, A, B, C, D=D, dt_bias=bias,
+                                                            dt_softplus=True))
+        row["chunk_scan_bwd_ms"] = scan_bwd(fc, cfg)
+        row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
+
+    changes, time_row = {"forward": (SWEEP_FORWARD_WIDE, forward_row),
+                         "backward": (SWEEP_BACKWARD_WIDE, backward_row)}.get(
+        part, (SWEEP_FORWARD + SWEEP_BACKWARD, whole_row))
+    rows = [] if rows is None else rows
     for change in changes:
         row = dict(change)
         try:
-            if part == "backward":
-                if "sweep_block_p" in change:
-                    row["state_sweep_bwd_ms"] = time_ms(lambda: state_sweep.state_sweep_bwd(
-                        dout, None, C, f.dA_cumsum, f.entering_states, None, False, base, det, prec,
-                        block_p=change["sweep_block_p"], num_warps=change["sweep_num_warps"]), warmup=2, rep=10)
-                else:
-                    cfg = dataclasses.replace(base, **change)
-                    row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
-                        dout, xx, B, C, f.delta, f.dA_cumsum, f.entering_states, dS, D, None, cfg, det, prec),
-                        warmup=2, rep=10)
-            else:
-                cfg = dataclasses.replace(base, **change)
-                run_fwd = lambda: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True,
-                                                     cfg=cfg)
-                fc = run_fwd()
-                row["fwd_ms"] = time_ms(run_fwd, warmup=2, rep=10)
-                if part == "forward":
-                    row["chunk_states_ms"] = time_ms(lambda: chunk_states.chunk_states_fwd(
-                        xx, B, fc.delta, fc.dA_cumsum, cfg, prec), warmup=2, rep=10)
-                    row["chunk_scan_ms"] = time_ms(lambda: chunk_scan.chunk_scan_fwd(
-                        xx, B, C, fc.delta, fc.dA_cumsum, fc.entering_states, D, None, cfg, prec), warmup=2, rep=10)
-                else:
-                    row["bwd_ms"] = time_ms(lambda: bw.ssd_chunk_scan_bwd(dout, None, fc, xx, dt, A, B, C, D=D,
-                                                                         dt_bias=bias, dt_softplus=True),
-                                            warmup=2, rep=10)
-                    row["chunk_scan_bwd_ms"] = time_ms(lambda: chunk_scan.chunk_scan_bwd(
-                        dout, xx, B, C, fc.delta, fc.dA_cumsum, fc.entering_states, dS, D, None, cfg, det, prec),
-                        warmup=2, rep=10)
-                    row["fwd_bwd_ms"] = row["fwd_ms"] + row["bwd_ms"]
+            time_row(change, row)
         except Exception as err:  # a configuration that does not compile is recorded, not fatal
             row["error"] = repr(err)[:300]
         print(row, flush=True)
