@@ -72,6 +72,20 @@ def test_training_lowers_the_loss_and_sampling_figure_draws():
     assert sum(c != "#bbbbbb" for c in narrow.data[1].marker.color) <= kept
 
 
+@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3"])
+def test_training_under_bf16_autocast_keeps_an_fp32_stream(layer):
+    """The chapter's GPU setting (amp=True), on the CPU: under bf16 autocast the embedding's stream is fp32 and
+    each mixer's output bf16; with more than one layer every residual add meets both, and training runs."""
+    text = chartext.docstring_corpus(("json",))
+    tok = chartext.CharTokenizer(text)
+    torch.manual_seed(0)
+    model = MambaLM(LMConfig(**{**SMALL.to_dict(), "vocab_size": tok.vocab_size, "n_layer": 2, "layer": layer}))
+    losses = chartext.train_char_model(model, tok.encode(text), steps=2, batch_size=2, seq_len=16, warmup=1,
+                                       amp=True)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+
+
 def test_speed_figures_have_titles_and_axes():
     fig = ip.decode_speed_figure({"eager": 1.0, "CUDA graph": 0.2}, note="n")
     assert fig.layout.yaxis.title.text == "time per token (ms)" and fig.layout.title.text

@@ -75,10 +75,29 @@ def test_residual_form_adds_then_normalises(is_rms_norm):
     torch.testing.assert_close(out, expect, atol=1e-5, rtol=1e-5)
 
 
-def test_add_norm_refuses_mismatched_inputs():
+def test_add_norm_refuses_mismatched_shapes():
     norm = GatedRMSNorm(8)
-    with pytest.raises(ValueError, match="residual and x must have one shape and dtype"):
-        add_norm(norm, torch.zeros(2, 8), torch.zeros(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="residual and x must have one shape"):
+        add_norm(norm, torch.zeros(2, 8), torch.zeros(1, 2, 8))
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+@pytest.mark.parametrize("grad", [False, True])
+def test_add_norm_keeps_an_fp32_stream_over_a_bf16_update(dev, grad):
+    """Under bf16 autocast a model's stream is fp32 (the embedding) and a mixer's output bf16: s is their fp32
+    sum, not a refusal and not a bf16 rounding, and the norm is the norm of that sum (eagerly, on a GPU too)."""
+    gen = torch.Generator().manual_seed(3)
+    r = torch.randn(4, 5, 64, generator=gen).to(dev)
+    x = torch.randn(4, 5, 64, generator=gen).to(dev, torch.bfloat16)
+    norm = GatedRMSNorm(64, device=dev)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    with torch.set_grad_enabled(grad):
+        s, out = add_norm(norm, r, x)
+    expect_s = r + x.float()
+    assert s.dtype == torch.float32 and torch.equal(s, expect_s)
+    torch.testing.assert_close(out, layernorm_fn(expect_s, norm.weight, None, eps=1e-5, is_rms_norm=True).detach(),
+                               atol=1e-5, rtol=1e-5)
 
 
 @requires_gpu

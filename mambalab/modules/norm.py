@@ -128,16 +128,17 @@ class _GatedNorm(nn.Module):
 def add_norm(norm: _GatedNorm, residual: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A pre-norm residual stream's step: s = residual + x, then ``norm(s)`` (no gate). Returns (s, norm(s)).
 
-    residual, x: (..., hidden_size), one dtype. On a GPU with nothing for autograd to record
+    residual, x: (..., hidden_size), one shape; s has PyTorch's promoted dtype of the two (under bf16 autocast
+    the stream from the embedding is fp32 and a mixer's output bf16, so s stays fp32, as mamba-ssm's
+    ``residual_in_fp32`` keeps it). When both have one dtype, on a GPU with nothing for autograd to record
     (:func:`mambalab.device.inference_kernels_apply`) the add runs inside the norm's kernel, one launch where
     there would be two (what mamba-ssm's ``fused_add_norm`` does for a decode step); elsewhere it is PyTorch's
     add, then the norm. Both round s to the dtype before normalising it, so both give the same s and norm(s).
     """
-    if residual.shape != x.shape or residual.dtype != x.dtype:
-        raise ValueError(f"residual and x must have one shape and dtype; got {tuple(residual.shape)} "
-                         f"{residual.dtype} and {tuple(x.shape)} {x.dtype}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual and x must have one shape; got {tuple(residual.shape)} and {tuple(x.shape)}")
     d = x.shape[-1]
-    if (x.numel() and x.shape[-1] == norm.hidden_size
+    if (x.numel() and x.shape[-1] == norm.hidden_size and residual.dtype == x.dtype
             and device.inference_kernels_apply(x, residual, norm.weight, norm.bias)):
         rows = lambda t: t.reshape(-1, d).contiguous()
         out, s = gated_norm_fwd(rows(x), norm.weight, norm.bias, None, norm.eps, norm.group_size or d, True,
