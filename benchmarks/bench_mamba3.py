@@ -263,23 +263,19 @@ def step_kernel_rates(batch, h, p, g, n, a, ranks=(1, 2, 4), layers=8):
 
 
 def step_register_sweep(batch, h, p, g, n, a, layers=8):
-    """The step kernel's register cap (Triton's ``maxnreg``), q̂ and k̂ turned by a first launch (PRE_ROTATED)
-    and a few tiles, timed as :func:`step_kernel_rates` times the rule's choice. Fewer registers a thread let
-    more programs share a multiprocessor (Nsight Compute saw 123-128 registers and 23 % achieved occupancy at
-    batch 64), at the risk of spills; turning q̂ and k̂ once per head takes that work (loads of q, k and their
-    biases, the turn itself) out of each of the head's p-blocks, where the rank-4 step is bound by issuing
-    instructions. The caps measured on an H200 are in
-    benchmarks/results/2026-12-03_h200_mamba3_step_register_sweep.json."""
+    """The step kernel's register cap (Triton's ``maxnreg``) and a few tiles, timed as :func:`step_kernel_rates`
+    times the rule's choice: fewer registers a thread let more programs share a multiprocessor (Nsight Compute
+    saw 123-128 registers and 23 % achieved occupancy at batch 64), at the risk of spills."""
     from mambalab.kernels.mamba3 import step as step_kernel
     from mambalab.ops import mamba3_step
 
     default = step_kernel.step_config
     state_numel = batch * h * p * n
-    trials = {1: [{}, dict(maxnreg=96), dict(PRE_ROTATED=True), dict(PRE_ROTATED=True, BLOCK_P=32, num_warps=4)],
-              2: [{}, dict(maxnreg=96), dict(PRE_ROTATED=True), dict(PRE_ROTATED=True, maxnreg=96),
-                  dict(PRE_ROTATED=True, BLOCK_P=16, num_warps=2)],
-              4: [{}, dict(maxnreg=96), dict(PRE_ROTATED=True), dict(PRE_ROTATED=True, FLAT=True),
-                  dict(PRE_ROTATED=True, BLOCK_P=16, num_warps=2), dict(PRE_ROTATED=True, BLOCK_P=16, num_warps=4)]}
+    trials = {1: [{}, dict(maxnreg=96), dict(maxnreg=80), dict(maxnreg=64), dict(BLOCK_P=8, num_warps=1),
+                  dict(BLOCK_P=8, num_warps=1, maxnreg=64), dict(BLOCK_P=16, num_warps=4, maxnreg=64)],
+              2: [{}, dict(maxnreg=96), dict(maxnreg=64)],
+              4: [{}, dict(maxnreg=96), dict(maxnreg=80), dict(maxnreg=64), dict(BLOCK_P=4),
+                  dict(BLOCK_P=4, maxnreg=64), dict(BLOCK_P=16, num_warps=2, maxnreg=64)]}
     rows = []
     try:
         for r, changes in trials.items():

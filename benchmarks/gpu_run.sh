@@ -12,7 +12,7 @@
 #            (mamba-ssm's own tests against mambalab, upstream sizes), ssd-varlen-bench (8 packed sequences against
 #            mamba_chunk_scan_combined with seq_idx), ssd-varlen-profile (the same, VARLEN_DTYPES, bf16 by default, with each side's kernels),
 #            decode-sweep (the Mamba-3 decode step's tile choices at batch 64), decode-kernel (its kernel's own rate,
-#            profiler and a graph of 8 layers' steps), decode-ncu (Nsight Compute on it, r = 1 and 4), decode-regs (its register cap and first-launch turn), profile-decode (one decode step's
+#            profiler and a graph of 8 layers' steps), decode-ncu (Nsight Compute on it, r = 1 and 4), decode-regs (its register cap), profile-decode (one decode step's
 #            kernels as CUDA graphs, mambalab against mamba-ssm, batch 1),
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
@@ -132,7 +132,7 @@ from common import environment
 rows = step_kernel_rates(64, 32, 64, 1, 128, 32)
 json.dump(dict(environment=environment(), command='gpu_run.sh decode-kernel', rows=rows), open('$OUT/decode_kernel.json', 'w'), indent=2)
 " >"$OUT/decode-kernel.log" 2>&1; tail -5 "$OUT/decode-kernel.log" ;;
-    decode-regs) # the step kernel's register cap, PRE_ROTATED and a few tiles, at batch 64 (bench_mamba3.step_register_sweep)
+    decode-regs) # the step kernel's register cap and a few tiles, at batch 64 (bench_mamba3.step_register_sweep)
                  timeout "${DR_T:-200}" python3 -c "
 import json, sys; sys.path.insert(0, 'benchmarks')
 from bench_mamba3 import step_register_sweep

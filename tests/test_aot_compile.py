@@ -127,21 +127,6 @@ def _mamba3_step(r, dtype=torch.bfloat16, p=16, n=16, a=4):
         mamba3_step(zero_state(2, 4, p, n, r, a, torch.float32, "cpu"), **token)
 
 
-def _pre_rotated(case):
-    """``case`` with the step's PRE_ROTATED set (q̂ and k̂ turned by a first launch; off in step_config, timed by
-    bench_mamba3.step_register_sweep): the kernels that path launches compile too."""
-    from mambalab.kernels.mamba3 import step as step_kernel
-
-    def run():
-        rule = step_kernel.step_config
-        step_kernel.step_config = lambda *a: dict(rule(*a), PRE_ROTATED=True)
-        try:
-            case()
-        finally:
-            step_kernel.step_config = rule
-    return run
-
-
 def _state_update(dtype, b=2, h=4, p=8, n=16, heads=True, index=False):
     gen = torch.Generator().manual_seed(0)
     r = lambda *shape: torch.randn(*shape, generator=gen).to(dtype)
@@ -210,8 +195,6 @@ CASES = {
     "mamba3_step-r2": lambda: _mamba3_step(2),   # step_config's FLAT loop
     "mamba3_step-r4": lambda: _mamba3_step(4),
     "mamba3_step-r4-gpu-tiles": lambda: _mamba3_step(4, p=64, n=128, a=32),
-    "mamba3_step-r2-pre-rotated": _pre_rotated(lambda: _mamba3_step(2)),
-    "mamba3_step-r4-pre-rotated-gpu-tiles": _pre_rotated(lambda: _mamba3_step(4, p=64, n=128, a=32)),
     "state_update-bf16-mamba2": lambda: _state_update(torch.bfloat16),
     "state_update-fp32-mamba1-indexed": lambda: _state_update(torch.float32, heads=False, index=True),
     "state_update-bf16-gpu-tiles": lambda: _state_update(torch.bfloat16, b=64, h=80, p=64, n=128),

@@ -23,10 +23,8 @@ dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step
 programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed by every p-block; the
 first writes them). The ranks are a loop, on the state split into its pairs or on its rows as they lie (FLAT:
 only k̂ and q̂ are split and joined back), or one (R, ·) tile whose sums over the rank axis stay in registers
-(RANK_TILE); the state may be read and written with evict_first (STREAM: it is touched once a step). With
-PRE_ROTATED a first launch (:func:`mamba3_rotate_kernel`, one program per batch row and head) forms θ' and every
-rank's q̂ and k̂ once, and the step's p-blocks read them rather than each turning them again (not with
-RANK_TILE). :func:`step_config` chooses, with BLOCK_P and the warps.
+(RANK_TILE); the state may be read and written with evict_first (STREAM: it is touched once a step).
+:func:`step_config` chooses, with BLOCK_P and the warps.
 
 Shapes (contiguous, fp32 on the CPU interpreter): angle (b, h, a), ssm (b, h, p, n), k_prev (b, h, r, n),
 v_prev (b, h, p); q, k (b, r, g, n); v, z (b, h, p); adt, dt, trap (b, h); q_bias, k_bias (h, r, n);
@@ -55,75 +53,6 @@ def _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
     x0 += b0
     x1 += b1
     return x0 * cos - x1 * sin, x0 * sin + x1 * cos
-
-
-@triton.jit
-def _turned(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
-    """:func:`_rotated`, with the whole turned row in column order too: (even, odd, whole)."""
-    x0, x1 = _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2)
-    return x0, x1, tl.reshape(tl.join(x0, x1), (2 * BLOCK_N2,))
-
-
-@triton.jit
-def _turn(angle_ptr, angles_ptr, dt, bh, a, offs_i):
-    """θ' = θ + angles ⊙ Δ for one (batch row, head), pairs past a left at 0: returns (θ', cos θ', sin θ',
-    the mask of the a pairs)."""
-    mask_a = offs_i < a                                            # pairs past a: θ = 0, no turn
-    theta = tl.load(angle_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32)
-    theta += tl.load(angles_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32) * dt
-    return theta, tl.cos(theta), tl.sin(theta), mask_a
-
-
-@triton.jit
-def _store_angle(angle_out_ptr, bh, a, offs_i, theta, mask_a):
-    """θ' kept in [0, 2π), as mamba-ssm keeps it."""
-    two_pi = 6.283185307179586
-    tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
-
-
-@triton.jit
-def _rank_vector(turned_ptr, x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr,
-                 PRE_ROTATED: tl.constexpr):
-    """One rank's turned n-vector: read from ``turned_ptr`` (PRE_ROTATED: :func:`mamba3_rotate_kernel` wrote
-    it) or turned here from x + bias. Returns (even, odd, whole row in column order), fp32."""
-    if PRE_ROTATED:
-        whole = tl.load(turned_ptr + offs_c, mask=mask_c, other=0.0)
-        x0, x1 = tl.split(tl.reshape(whole, (BLOCK_N2, 2)))
-    else:
-        x0, x1, whole = _turned(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2)
-    return x0, x1, whole
-
-
-@triton.jit
-def mamba3_rotate_kernel(
-    angle_ptr, angles_ptr, dt_ptr,   # (b, h, a), (b, h, a), (b, h)
-    q_ptr, k_ptr,                    # (b, r, g, n)
-    qbias_ptr, kbias_ptr,            # (h, r, n)
-    angle_out_ptr,                   # (b, h, a) out: θ'
-    q_out_ptr, k_out_ptr,            # (b, h, r, n) out: q̂ (a scratch the step reads) and k̂ (the new k state)
-    h, g, n, a,
-    R: tl.constexpr, BLOCK_N2: tl.constexpr,
-):
-    """PRE_ROTATED's first launch: θ' and every rank's q̂ and k̂ of one (batch row, head), once, where the step
-    kernel otherwise turns them in each of the head's p-blocks."""
-    pid_b = tl.program_id(0)
-    pid_h = tl.program_id(1)
-    bh = pid_b * h + pid_h
-    grp = pid_h // (h // g)
-    offs_i = tl.arange(0, BLOCK_N2)
-    offs_c = tl.arange(0, 2 * BLOCK_N2)
-    mask_c = offs_c < 2 * (n // 2)
-    dt = tl.load(dt_ptr + bh).to(tl.float32)
-    theta, cos, sin, mask_a = _turn(angle_ptr, angles_ptr, dt, bh, a, offs_i)
-    for r in tl.static_range(R):
-        row = (bh * R + r) * n + offs_c
-        src = ((pid_b * R + r) * g + grp) * n
-        bias = (pid_h * R + r) * n
-        tl.store(k_out_ptr + row, _turned(k_ptr + src, kbias_ptr + bias, offs_c, mask_c, cos, sin, BLOCK_N2)[2],
-                 mask=mask_c)
-        tl.store(q_out_ptr + row, _turned(q_ptr + src, qbias_ptr + bias, offs_c, mask_c, cos, sin, BLOCK_N2)[2],
-                 mask=mask_c)
-    _store_angle(angle_out_ptr, bh, a, offs_i, theta, mask_a)
 
 
 @triton.jit
@@ -162,7 +91,6 @@ def mamba3_step_kernel(
     ssm_out_ptr,      # (b, h, p, n) out: H'
     k_out_ptr,        # (b, h, r, n) out: k̂
     v_out_ptr,        # (b, h, p) out: v
-    qturn_ptr,        # (b, h, r, n) q̂ from mamba3_rotate_kernel (PRE_ROTATED), or a dummy
     h, g, p, n, a,    # sizes
     R: tl.constexpr,             # MIMO rank
     MIMO: tl.constexpr,          # the W^V, W^Z, W^O weights are given
@@ -173,7 +101,6 @@ def mamba3_step_kernel(
     BLOCK_R: tl.constexpr,       # R padded to a power of two
     FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs; not with RANK_TILE)
     STREAM: tl.constexpr,        # the state read and written with evict_first (it is touched once a step)
-    PRE_ROTATED: tl.constexpr,   # θ', q̂ and k̂ were formed by mamba3_rotate_kernel (k̂ in k_out, q̂ in qturn)
 ):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -190,11 +117,11 @@ def mamba3_step_kernel(
     dt = tl.load(dt_ptr + bh).to(tl.float32)
     alpha = tl.exp(tl.load(adt_ptr + bh).to(tl.float32))
     lam = tl.load(trap_ptr + bh).to(tl.float32)
-    if PRE_ROTATED:
-        cos = 0.0   # unused: the turned vectors are read
-        sin = 0.0
-    else:
-        theta, cos, sin, mask_a = _turn(angle_ptr, angles_ptr, dt, bh, a, offs_i)
+    mask_a = offs_i < a                                            # pairs past a: θ = 0, no turn
+    theta = tl.load(angle_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32)
+    theta += tl.load(angles_ptr + bh * a + offs_i, mask=mask_a, other=0.0).to(tl.float32) * dt
+    cos = tl.cos(theta)
+    sin = tl.sin(theta)
 
     # the state's rows read whole, then (but with FLAT) split into even and odd columns, (BLOCK_P, BLOCK_N2) each
     s_ptrs = (bh.to(tl.int64) * p + offs_p[:, None]) * n + offs_c[None, :]
@@ -247,9 +174,9 @@ def mamba3_step_kernel(
                 wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
             vp = (beta * v_prev * wv)[:, None]                  # β U_prev: the previous step's input, rank r
             vn = (gamma * v_now * wv)[:, None]                   # γ U: this step's input, rank r
-            k0, k1, kn = _rank_vector(k_out_ptr + (bh * R + r) * n, k_ptr + ((pid_b * R + r) * g + grp) * n,
-                                      kbias_ptr + (pid_h * R + r) * n, offs_c, mask_c, cos, sin, BLOCK_N2,
-                                      PRE_ROTATED)
+            k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
+            kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
             if FLAT:
                 kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
                 S += vp * kp[None, :]
@@ -260,9 +187,8 @@ def mamba3_step_kernel(
                 S1 += vp * kp1[None, :]
                 S0 += vn * k0[None, :]
                 S1 += vn * k1[None, :]
-            if not PRE_ROTATED:
-                if pid_p == 0:
-                    tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
+            if pid_p == 0:
+                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
     if FLAT:
         S_new = S
     else:
@@ -272,9 +198,9 @@ def mamba3_step_kernel(
     else:
         tl.store(ssm_out_ptr + s_ptrs, S_new, mask=mask_pc)
     tl.store(v_out_ptr + bh * p + offs_p, v_now, mask=mask_p)
-    if not PRE_ROTATED:
-        if pid_p == 0:
-            _store_angle(angle_out_ptr, bh, a, offs_i, theta, mask_a)
+    if pid_p == 0:
+        two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
+        tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
     if RANK_TILE:
         q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
                                qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
@@ -294,11 +220,10 @@ def mamba3_step_kernel(
     else:
         out = tl.zeros((BLOCK_P,), dtype=tl.float32)
         for r in tl.static_range(R):
-            q0, q1, qn = _rank_vector(qturn_ptr + (bh * R + r) * n, q_ptr + ((pid_b * R + r) * g + grp) * n,
-                                      qbias_ptr + (pid_h * R + r) * n, offs_c, mask_c, cos, sin, BLOCK_N2,
-                                      PRE_ROTATED)
+            q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
+                              offs_c, mask_c, cos, sin, BLOCK_N2)
             if FLAT:
-                y = tl.sum(S * qn[None, :], axis=1)                        # H' q̂_r
+                y = tl.sum(S * tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))[None, :], axis=1)   # H' q̂_r
             else:
                 y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
             if MIMO:
@@ -328,14 +253,12 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
     takes 36.5); r = 2 53.2 µs against 64.8 with r = 1's choices; r = 4 72.5 µs against 111.9 with the rank
     tile at 16 rows and 2 warps, the choice of an earlier sweep at 64 heads
     (benchmarks/results/2026-12-02_h200_mamba3_step_tiles_sweep.json). The rank tile (RANK_TILE) stays for
-    sweeps; no shape measured so far picks it at 8 rows. PRE_ROTATED is off: :func:`bench_mamba3.step_register_sweep`
-    (benchmarks/) times it beside the rule.
+    sweeps; no shape measured so far picks it at 8 rows.
     """
     if r == 1:
         return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, RANK_TILE=False, FLAT=False,
-                    STREAM=False, PRE_ROTATED=False)
-    return dict(BLOCK_P=min(8, triton.next_power_of_2(p)), num_warps=1, RANK_TILE=False, FLAT=r == 2, STREAM=True,
-                PRE_ROTATED=False)
+                    STREAM=False)
+    return dict(BLOCK_P=min(8, triton.next_power_of_2(p)), num_warps=1, RANK_TILE=False, FLAT=r == 2, STREAM=True)
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
@@ -354,24 +277,15 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
     mimo = mimo_v is not None
     if mimo and mimo_z is None:   # no gate weights without a gate: a dummy, never read (HAS_Z is False)
         mimo_z = mimo_v
-    config = dict(step_config(b, h, p, r))
-    pre = config.pop("PRE_ROTATED", False)
-    if pre and config["RANK_TILE"]:
-        raise ValueError("PRE_ROTATED reads one rank's turned vectors at a time: not with RANK_TILE")
-    block_n2 = triton.next_power_of_2(max(n // 2, 1))
-    q_turned = None
-    if pre:
-        q_turned = torch.empty(b, h, r, n, **f32)
-        mamba3_rotate_kernel[(b, h)](angle, angles, dt, q, k, q_bias, k_bias, angle_out, q_turned, k_out,
-                                     h, g, n, a, R=r, BLOCK_N2=block_n2)
+    config = step_config(b, h, p, r)
     grid = (b, h, triton.cdiv(p, config["BLOCK_P"]))
     mamba3_step_kernel[grid](
         angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles,
         D if D is not None else dt, z if z is not None else v,
         mimo_v if mimo else v, mimo_z if mimo else v, mimo_o if mimo else v,
-        out, angle_out, ssm_out, k_out, v_out, q_turned if pre else v_out,
+        out, angle_out, ssm_out, k_out, v_out,
         h, g, p, n, a,
         R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
-        BLOCK_N2=block_n2, BLOCK_R=triton.next_power_of_2(r), PRE_ROTATED=pre, **config,
+        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r), **config,
     )
     return out, angle_out, ssm_out, k_out, v_out
