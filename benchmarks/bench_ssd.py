@@ -225,19 +225,21 @@ SWEEP_BACKWARD = [dict(bwd_block_t=bt, bwd_num_warps=w) for bt, w in
                   ((32, 8), (32, 4), (64, 8), (64, 4), (16, 4), (128, 8))]
 # ``--sweep forward``: the forward's kernels alone, over more of their choices: the chunk scan's (block_t,
 # block_k, block_p, num_warps, num_stages), then the chunk states' (states_block_t, states_num_warps) with the rule's
-# chunk scan, then C Bᵀ formed once per group (precompute_cb; its launch timed with the chunk scan's).
-# ``--sweep backward``: the chunk-scan backward's (bwd_block_t, bwd_num_warps, bwd_num_stages) and precompute_cb,
+# chunk scan, then C Bᵀ formed by each head's programs and once per group (precompute_cb off and on, whatever the
+# rule chose; chunk_cb's launch timed with the chunk scan's).
+# ``--sweep backward``: the chunk-scan backward's (bwd_block_t, bwd_num_warps, bwd_num_stages), precompute_cb off and on,
 # then the backward sweep's (block_p, num_warps), each kernel timed alone.
 SWEEP_FORWARD_WIDE = (
     [dict(block_t=bt, block_k=bk, block_p=bp, num_warps=w) for bt, bk, bp, w in
      ((64, 64, 64, 4), (64, 32, 64, 4), (32, 32, 64, 4), (64, 64, 32, 4), (64, 64, 64, 8), (32, 64, 64, 2))]
     + [dict(num_stages=st) for st in (1, 2, 4)]
     + [dict(states_block_t=bt, states_num_warps=w) for bt, w in ((32, 2), (64, 2), (32, 1), (16, 2), (64, 1))]
-    + [dict(precompute_cb=True), dict(precompute_cb=True, num_stages=1), dict(precompute_cb=True, num_stages=3)])
+    + [dict(precompute_cb=False), dict(precompute_cb=True), dict(precompute_cb=True, num_stages=1),
+       dict(precompute_cb=True, num_stages=3)])
 SWEEP_BACKWARD_WIDE = (
     [dict(bwd_block_t=bt, bwd_num_warps=w, bwd_num_stages=st) for bt, w, st in
      ((32, 4, 3), (32, 4, 1), (32, 4, 2), (32, 8, 1), (64, 4, 1), (64, 8, 1), (16, 4, 1), (32, 2, 1))]
-    + [dict(precompute_cb=True), dict(precompute_cb=True, bwd_num_stages=1)]
+    + [dict(precompute_cb=False), dict(precompute_cb=True), dict(precompute_cb=True, bwd_num_stages=1)]
     + [dict(sweep_block_p=bp, sweep_num_warps=w) for bp, w in ((32, 4), (16, 4), (16, 2), (32, 2), (32, 8))])
 
 
@@ -257,7 +259,7 @@ def sweep(x, dout, chunk, part="all", rows=None, save=lambda: None):
 
     xx, dt, A, B, C, D, bias = (x[k].contiguous() for k in NAMES)
     prec = mambalab.device.dot_precision(xx.dtype, xx.device)
-    base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk, xx.dtype)
+    base = tile_config(xx.shape[2], xx.shape[3], B.shape[3], chunk, xx.dtype, ngroups=B.shape[2])
     det = "deterministic"
     forward = lambda cfg: ssd_chunk_scan_fwd(xx, dt, A, B, C, chunk, D=D, dt_bias=bias, dt_softplus=True, cfg=cfg)
     f = forward(base)

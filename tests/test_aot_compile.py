@@ -66,8 +66,9 @@ def _ssd(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16):
 
 
 def _precomputed_cb(case):
-    """``case`` with the SSD tile rule's precompute_cb set (the chunk scan reads chunk_cb's C Bᵀ; off in the
-    rule, timed by bench_ssd.py's sweeps): the kernels that path launches compile too."""
+    """``case`` with the SSD tile rule's precompute_cb set (the chunk scan reads chunk_cb's C Bᵀ), which the rule
+    sets only for fp32 with 8 or more heads a group: the kernels that path launches compile at these small
+    shapes, and in bf16, too."""
     from mambalab.kernels.ssd import forward, tiles
 
     def run():

@@ -278,6 +278,11 @@ def test_tile_rule():
     # the sweeps: the forward for 16-bit inputs and chunks of one block (the rule's warps); the backward 32
     # head dimensions a program
     assert (cfg.sweep_forward, cfg.sweep_backward_block_p) == (False, 32)
+    # C Bᵀ formed once per group: fp32 with 8 or more heads a group; never for 16-bit inputs, nor when the
+    # caller gives no group count
+    assert [kernels.tile_config(24, 64, 128, 256, ngroups=g).precompute_cb for g in (1, 3, 4, 24)] == \
+        [True, True, False, False]
+    assert not cfg.precompute_cb and not kernels.tile_config(24, 64, 128, 256, torch.bfloat16, 1).precompute_cb
     assert (half.sweep_forward, half.sweep_backward_block_p) == (False, 32)   # q = 256
     assert kernels.tile_config(24, 64, 128, 64, torch.bfloat16).sweep_forward
     assert not kernels.tile_config(24, 64, 128, 64).sweep_forward                               # fp32

@@ -77,7 +77,7 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward, n
     state rows (b · c · h · p of n) and dD's partials (h · b · c · q / BLOCK_T') in 32-bit integers before
     widening. ``num_seqs`` > 0: the per-sequence final states too, (num_seqs, h · p / BLOCK_P).
     """
-    cfg = _kernels.tile_config(h, p, n, chunk_size, _device.compute_dtype(dtype, device))
+    cfg = _kernels.tile_config(h, p, n, chunk_size, _device.compute_dtype(dtype, device), ngroups=g)
     cdiv = lambda a, m: -(-a // m)
     c = cdiv(l, chunk_size)
     bsz, hsz = ("b (x.shape[0])", b), ("h (x.shape[2])", h)

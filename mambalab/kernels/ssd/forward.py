@@ -54,8 +54,8 @@ def ssd_chunk_scan_fwd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
     if dot_precision is None:
         dot_precision = device.dot_precision(x.dtype, x.device)
     b, l, h, p = x.shape
-    n = B.shape[3]
-    cfg = cfg or tile_config(h, p, n, chunk_size, x.dtype)
+    g, n = B.shape[2], B.shape[3]
+    cfg = cfg or tile_config(h, p, n, chunk_size, x.dtype, ngroups=g)
     if cfg.chunk_size != chunk_size:
         raise ValueError(f"the tiles are for chunk_size={cfg.chunk_size}, not {chunk_size}")
     delta, cs = chunk_cumsum_fwd(dt, A, dt_bias, dt_softplus, dt_limit, cfg)

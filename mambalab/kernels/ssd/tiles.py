@@ -70,8 +70,10 @@ class TileConfig:
             raise ValueError(f"block_k={self.block_k} must divide block_n={self.block_n}")
 
 
-def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = torch.float32) -> TileConfig:
-    """The documented rule, pinned per dtype (``dtype``: what the kernels read, x's; fp32 on the CPU):
+def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = torch.float32,
+                ngroups: int | None = None) -> TileConfig:
+    """The documented rule, pinned per dtype (``dtype``: what the kernels read, x's; fp32 on the CPU) and read
+    from the shape alone (``ngroups``: g, the groups sharing B and C; None where the caller has none to give):
 
     * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
     * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
@@ -101,11 +103,17 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which specialises g = 1 to
     a constant as a launch does) and is still the fastest.
 
-    * C Bᵀ: formed by the chunk scan in each head's programs (``precompute_cb`` off). ``precompute_cb`` makes
-      it one launch per group (:mod:`mambalab.kernels.ssd.chunk_cb`) that the forward and backward read; for
-      sm_90 it takes the fp32 chunk-scan forward from 244 to 180 registers a thread and the backward's spills
-      from 296 and 48 B to 0 and 4, while in bf16 the backward's spills grow (rows 116 B against 60, columns
-      1,060 against 812; benchmarks/ptxas_ssd.py). ``bench_ssd.py --sweep forward backward`` times it beside the rule.
+    * C Bᵀ (``precompute_cb``): in fp32 with at least 8 heads a group (h / g >= 8), one launch per group
+      (:mod:`mambalab.kernels.ssd.chunk_cb`) forms it and the chunk scan's forward and backward read it;
+      otherwise each head's programs form it themselves. At b = 4, l = 4096, h = 32, g = 1, p = 64, n = 128,
+      q = 256 it took the fp32 chunk scan from 0.502 to 0.471 ms forward and from 2.70 to 2.34 ms backward,
+      its own launches counted in both (benchmarks/results/2026-12-04_h200_ssd_kernel_sweep.json); for sm_90
+      it takes the fp32 chunk-scan forward from 244 to 180 registers a thread and the backward's spills from
+      296 and 48 B to 0 and 4 (benchmarks/ptxas_ssd.py). In bf16 it made the backward slower (2.80 ms against
+      1.41; its spills grow, rows 116 B against 60, columns 1,060 against 812), so 16-bit inputs keep it off.
+      It costs b · l · g · q · 4 bytes for the chunks' matrices and saves forming each one h / g - 1 times:
+      with few heads a group there is little to save (at h / g = 1, only writes to add), hence the 8; only
+      h / g = 32 was timed.
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
       the tile rule's BLOCK_P and warps (8 for 16-bit inputs and a state of 64 × 64 or more). Mamba-3's scan takes
@@ -154,6 +162,7 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
         states_block_t=None if narrow else min(32, chunk_size),
         states_num_warps=None if narrow else 2,
         num_stages=3 if narrow else 1,
+        precompute_cb=not narrow and ngroups is not None and h // ngroups >= 8,
     )
 
 
