@@ -72,10 +72,11 @@ def test_training_lowers_the_loss_and_sampling_figure_draws():
     assert sum(c != "#bbbbbb" for c in narrow.data[1].marker.color) <= kept
 
 
-@pytest.mark.parametrize("layer", ["Mamba1", "Mamba2", "Mamba3"])
+@pytest.mark.parametrize("layer", ["Mamba2", "Mamba3"])
 def test_training_under_bf16_autocast_keeps_an_fp32_stream(layer):
     """The chapter's GPU setting (amp=True), on the CPU: under bf16 autocast the embedding's stream is fp32 and
-    each mixer's output bf16; with more than one layer every residual add meets both, and training runs."""
+    each mixer's output bf16; with more than one layer every residual add meets both, and training runs.
+    (Mamba-1's mixer meets the same adds; its Triton scan in bf16 costs a minute in the CPU interpreter.)"""
     text = chartext.docstring_corpus(("json",))
     tok = chartext.CharTokenizer(text)
     torch.manual_seed(0)
