@@ -73,7 +73,8 @@ class TileConfig:
 def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = torch.float32,
                 ngroups: int | None = None) -> TileConfig:
     """The documented rule, pinned per dtype (``dtype``: what the kernels read, x's; fp32 on the CPU) and read
-    from the shape alone (``ngroups``: g, the groups sharing B and C; None where the caller has none to give):
+    from the shape alone (``ngroups``: g, the groups sharing B and C; None keeps C Bᵀ in each head's programs,
+    as Mamba-3's scan does, whose same-step weights were not timed with it):
 
     * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
     * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
