@@ -1,4 +1,6 @@
 """generate(): greedy equals the full forward's argmax, seeded sampling repeats, filters match transformers'."""
+import warnings
+
 import pytest
 import torch
 
@@ -31,7 +33,7 @@ PROMPT = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1)
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_decoding_is_the_argmax_of_the_full_forward(name):
     model = tiny(name)
-    out = generate(model, PROMPT, max_new_tokens=6, temperature=0)
+    out = generate(model, PROMPT, max_new_tokens=6)   # greedy by default, as mamba-ssm's and transformers' are
     assert out.shape == (2, 11) and torch.equal(out[:, :5], PROMPT)
     with torch.no_grad():
         logits = model(out)                          # teacher forcing on the generated sequence
@@ -41,13 +43,29 @@ def test_greedy_decoding_is_the_argmax_of_the_full_forward(name):
 @pytest.mark.parametrize("name", ["mamba2", "mamba3"])
 def test_seeded_sampling_repeats_and_top_k_1_is_greedy(name):
     model = tiny(name)
-    kw = dict(max_new_tokens=5, temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.2)
+    kw = dict(max_new_tokens=5, temperature=0.8, top_p=0.9, min_p=0.05, repetition_penalty=1.2, do_sample=True)
     a = generate(model, PROMPT, generator=torch.Generator(KERNEL_DEVICE).manual_seed(3), **kw)
     b = generate(model, PROMPT, generator=torch.Generator(KERNEL_DEVICE).manual_seed(3), **kw)
     assert torch.equal(a, b)
-    greedy = generate(model, PROMPT, max_new_tokens=5, do_sample=False)
-    assert torch.equal(generate(model, PROMPT, max_new_tokens=5, top_k=1, temperature=1.3,
+    greedy = generate(model, PROMPT, max_new_tokens=5)
+    assert torch.equal(generate(model, PROMPT, max_new_tokens=5, top_k=1, temperature=1.3, do_sample=True,
                                 generator=torch.Generator(KERNEL_DEVICE).manual_seed(4)), greedy)
+
+
+def test_sampling_is_explicit_and_unused_sampling_arguments_are_named():
+    model = tiny("mamba2")
+    torch.manual_seed(0)
+    greedy = generate(model, PROMPT, max_new_tokens=8)
+    # at temperature 50 the distribution is nearly flat: 16 seeded draws all equal to the argmax would be chance
+    hot = generate(model, PROMPT, max_new_tokens=8, temperature=50.0, do_sample=True,
+                   generator=torch.Generator(KERNEL_DEVICE).manual_seed(0))
+    assert not torch.equal(hot, greedy)
+    with pytest.warns(UserWarning, match=r"do_sample.*temperature=50.0, top_p=0.9"):
+        ignored = generate(model, PROMPT, max_new_tokens=8, temperature=50.0, top_p=0.9)
+    assert torch.equal(ignored, greedy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                # greedy's own settings warn about nothing
+        generate(model, PROMPT, max_new_tokens=2, temperature=0, top_k=1)
 
 
 def test_eos_stops_and_streaming_yields_each_token_as_chosen():

@@ -13,11 +13,17 @@ state, previous k and v), so memory is the same for 4K and 64K tokens of context
 ``process`` applies, in transformers' order, the repetition penalty (a seen token's logit s becomes s / θ if
 s > 0, else s · θ), the temperature (s / T), then top-k (keep the k largest), top-p (keep the smallest set of
 tokens, by decreasing probability, whose mass reaches p) and min-p (keep tokens whose probability is at least
-min_p times the largest); filtered logits are -inf. Temperature 0 (or ``do_sample=False``) is greedy.
+min_p times the largest); filtered logits are -inf.
+
+Decoding is greedy (the argmax) unless ``do_sample=True``, as in mamba-ssm's ``generate`` (``top_k=1``) and
+transformers' (``do_sample=False``): the same prompt gives the same tokens without a seed. With sampling on,
+temperature 0 is greedy too. Sampling arguments given without ``do_sample=True`` change nothing, and a warning
+names them, as transformers' does.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -96,11 +102,23 @@ def _check(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty)
         raise ValueError(f"repetition_penalty must be > 0 (1 is none); got {repetition_penalty}")
 
 
+def _warn_unused_sampling(do_sample, temperature, top_k, top_p, min_p):
+    """Greedy decoding ignores the sampling filters: say so, rather than silently return the argmax."""
+    if do_sample:
+        return
+    unused = [f"{name}={value}" for name, value, inert in [("temperature", temperature, (0, 1.0)),
+                                                           ("top_k", top_k, (0, 1)), ("top_p", top_p, (1.0,)),
+                                                           ("min_p", min_p, (0.0,))] if value not in inert]
+    if unused:
+        warnings.warn(f"do_sample is False (greedy decoding), so {', '.join(unused)} change nothing; pass "
+                      f"do_sample=True to sample", UserWarning, stacklevel=3)
+
+
 # ------------------------------------------------------------------------------------------ the loop
 @torch.no_grad()
 def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
            top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, eos_token_id=None,
-           generator: torch.Generator | None = None, do_sample: bool = True, progress: bool = False,
+           generator: torch.Generator | None = None, do_sample: bool = False, progress: bool = False,
            decode_step: Callable | None = None) -> Iterator[torch.Tensor]:
     """Yield each new token (b,) as it is chosen; the arguments are :func:`generate`'s.
 
@@ -111,6 +129,7 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
         raise ValueError(f"input_ids must be integer token ids of shape (b, l >= 1); got "
                          f"{tuple(input_ids.shape)} {input_ids.dtype}")
     _check(max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty)
+    _warn_unused_sampling(do_sample, temperature, top_k, top_p, min_p)
     b, l0 = input_ids.shape
     eos = None if eos_token_id is None else torch.as_tensor(eos_token_id, device=input_ids.device).reshape(-1)
     greedy = temperature == 0 or not do_sample
@@ -159,11 +178,12 @@ def stream(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: flo
 def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0, eos_token_id=None,
              generator: torch.Generator | None = None, callback: Callable | None = None, progress: bool = False,
-             do_sample: bool = True, cg: bool = False) -> torch.Tensor:
+             do_sample: bool = False, cg: bool = False) -> torch.Tensor:
     """input_ids (b, l0) -> (b, l0 + m) with the m ≤ max_new_tokens new tokens appended (fewer if every row
     reached ``eos_token_id``; finished rows are padded with EOS).
 
-    temperature = 0 or ``do_sample=False``: greedy (argmax). ``generator`` seeds the sampling. ``callback(token
+    Greedy (argmax) by default; ``do_sample=True`` samples after the repetition penalty, ``temperature``,
+    ``top_k``, ``top_p`` and ``min_p`` (temperature 0 stays greedy), seeded by ``generator``. ``callback(token
     (b,))`` is called as each token is chosen (:func:`stream` is the iterator form); ``progress`` shows a tqdm
     bar. ``cg=True`` replays the decode step as a CUDA graph (GPU only; see :mod:`mambalab.inference.graphs`).
     """
