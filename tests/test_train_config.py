@@ -3,6 +3,7 @@ what it cannot continue (a different config, damaged files) while tolerating a s
 import dataclasses
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -92,6 +93,31 @@ def test_module_entry_point_and_debug_flag(capsys):
     assert err == ["mambalab train: error: tp must be an integer >= 1; got 0"]
     with pytest.raises(ConfigError, match="tp must be"):     # --debug shows the exception itself
         main(["--tp", "0", "--debug"])
+
+
+TINY_FLAGS = ["--vocab-size", "32", "--d-model", "16", "--n-layer", "1", "--d-state", "8", "--headdim", "8",
+              "--ngroups", "2", "--chunk-size", "16", "--scan", "reference", "--task", "mqar", "--batch-size", "2",
+              "--seq-len", "16", "--warmup", "1", "--no-progress"]
+
+
+def test_cli_run_ends_with_one_line_naming_its_files_loss_and_wall_time(capsys, tmp_path):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    assert cli.main(["train", *TINY_FLAGS, "--steps", "2", "--out-dir", str(out), "--checkpoint-dir", str(ck)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    final = json.loads((out / "summary.json").read_text())["final_loss"]
+    match = re.fullmatch(r"mambalab train: 2 steps to 2 of 2, final loss (\S+), (\S+) s wall; checkpoint (\S+); "
+                         r"metrics (\S+) \(config.json, summary.json beside it\)", last)
+    assert match, last
+    assert float(match[1]) == pytest.approx(final, abs=5e-5) and float(match[2]) > 0
+    assert match[3] == str(ck / "step_000002") and (ck / "step_000002" / "meta.json").is_file()
+    assert match[4] == str(out / "metrics.jsonl") and len(read_metrics(out)) == 2
+    # a resumed run says where it started; one that writes nothing says so
+    assert cli.main(["train", *TINY_FLAGS, "--steps", "3", "--checkpoint-dir", str(ck), "--resume", "latest"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("mambalab train: 1 step, from step 2 to 3 of 3, final loss ")
+    assert last.endswith(f"checkpoint {ck / 'step_000003'}")
+    assert cli.main(["train", *TINY_FLAGS, "--steps", "0"]) == 0
+    assert capsys.readouterr().out.strip().endswith("nothing written (no --out-dir, no --checkpoint-dir)")
 
 
 # ------------------------------------------------------------------------------------------ resume

@@ -11,12 +11,14 @@ import argparse
 import dataclasses
 import os
 import sys
+import time
+from pathlib import Path
 
 from mambalab.modules.lm import LMConfig
 from mambalab.train.tasks import TASKS
 from mambalab.train.trainer import INIT_HOOKS, PARAM_DTYPES, TrainConfig
 
-__all__ = ["add_arguments", "config_from_args", "main", "run_from_args"]
+__all__ = ["add_arguments", "closing_line", "config_from_args", "main", "run_from_args"]
 
 _MODEL_HELP = {"vocab_size": "vocabulary (TP must divide it)", "d_model": "width of the residual stream",
                "n_layer": "Mamba-2 blocks", "d_state": "n, state size", "headdim": "p, channels per head",
@@ -89,8 +91,32 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(parser.parse_args(argv))
 
 
+def closing_line(cfg: TrainConfig, metrics: list[dict], wall_s: float, prog: str = "mambalab train") -> str:
+    """The run's last line: the steps trained, the final loss, the wall time, and where it wrote what."""
+    from mambalab.train.checkpoint import latest_step_dir
+
+    if metrics:
+        resumed = f", from step {metrics[0]['step']}" if metrics[0]["step"] else ""
+        trained = (f"{len(metrics)} step{'s' if len(metrics) != 1 else ''}{resumed} to {metrics[-1]['step'] + 1} of {cfg.steps}, "
+                   f"final loss {metrics[-1]['loss']:.4f}")
+    else:
+        trained = f"no step trained (steps = {cfg.steps}), no final loss"
+    wrote = []
+    if cfg.checkpoint_dir:
+        newest = latest_step_dir(cfg.checkpoint_dir, warn=lambda text: None)
+        wrote.append(f"checkpoint {newest}" if newest is not None else f"no checkpoint in {cfg.checkpoint_dir}")
+    if cfg.out_dir:
+        out = Path(cfg.out_dir)
+        wrote.append(f"metrics {out / 'metrics.jsonl'} (config.json, summary.json beside it)")
+    where = "; ".join(wrote) if wrote else "nothing written (no --out-dir, no --checkpoint-dir)"
+    wall = f"{wall_s:.1f}" if wall_s >= 1 else f"{wall_s:.3f}"
+    return f"{prog}: {trained}, {wall} s wall; {where}"
+
+
 def run_from_args(args: argparse.Namespace, prog: str = "mambalab train") -> int:
     """Build the config from ``args`` and train; shared by ``mambalab train`` and ``python -m mambalab.train``.
+
+    Rank 0 ends with :func:`closing_line` on stdout (a resumed run with no step left says so itself instead).
 
     A usage error (:class:`~mambalab.train.trainer.ConfigError`: a bad field, a checkpoint that does not fit
     the run) is one line on stderr, printed by rank 0 only under torchrun, and exit code 2; a damaged
@@ -99,8 +125,10 @@ def run_from_args(args: argparse.Namespace, prog: str = "mambalab train") -> int
     from mambalab.train.trainer import CheckpointError, ConfigError, train
 
     rank = int(os.environ.get("RANK", "0") or 0)
+    start = time.perf_counter()
     try:
-        train(config_from_args(args))
+        cfg = config_from_args(args)
+        metrics = train(cfg)
     except (ConfigError, CheckpointError) as e:
         if getattr(args, "debug", False):
             raise
@@ -109,4 +137,6 @@ def run_from_args(args: argparse.Namespace, prog: str = "mambalab train") -> int
             sys.stderr.write(f"{prog}: error: {e}\n")   # one write: ranks share the terminal
             sys.stderr.flush()
         return 2 if usage else 1
+    if rank == 0 and (metrics or not cfg.resume):   # a resume past the last step has said so (trainer)
+        print(closing_line(cfg, metrics, time.perf_counter() - start, prog), flush=True)
     return 0
