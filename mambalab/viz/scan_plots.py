@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 
 import plotly.graph_objects as go
 
-__all__ = ["memory_kernel_figure", "memory_explorer", "scan_schedule", "scan_tree_figure", "timing_figure"]
+__all__ = ["kernel_tiles_figure", "memory_kernel_figure", "memory_explorer", "scan_schedule", "scan_tree_figure",
+           "timing_figure"]
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
 
@@ -198,4 +199,81 @@ def timing_figure(lengths: Sequence[int], times_by_method: Mapping[str, Sequence
         full_title += f"<br><sup>{note}</sup>"
     fig.update_layout(title=full_title, xaxis=dict(title="sequence length l (time steps)", type="log"),
                       yaxis=dict(title="time per call (ms)", type="log"), template="plotly_white")
+    return fig
+
+
+def kernel_tiles_figure(b: int, d: int, l: int, n: int, block_d: int, block_l: int, ckpt_l: int,
+                        program: tuple[int, int] = (0, 0)) -> go.Figure:
+    """The optimised forward's program grid and, for one program, what crosses between HBM and the chip.
+
+    Left: the (batch row, channel) plane cut into the grid (b, ceil(d / block_d)); each rectangle is one
+    program, labelled (pid_b, pid_d); ``program`` is drawn dark. Right: that program's walk over the l steps in
+    blocks of ``block_l``, on three lanes: what it reads from HBM a block ((block_d, block_l) tiles of u, Δ, z;
+    block_l-long rows of B and C, one state index at a time), what stays on chip (registers) while it works
+    on the block (the scan's (block_d, block_l) tiles of a, b̄x and h for one state index, y summed over the
+    n state indices), and what it writes to HBM (the (block_d, block_l) output tile; the state, (block_d, n),
+    every ``ckpt_l`` steps, which is also how the next block gets its starting state). Every (b, d, n, l)
+    tensor exists only one (block_d, block_l) slice at a time, on chip.
+    """
+    from plotly.subplots import make_subplots
+
+    for name, value in (("b", b), ("d", d), ("l", l), ("n", n), ("block_d", block_d), ("block_l", block_l),
+                        ("ckpt_l", ckpt_l)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1; got {value}")
+    n_dblocks = math.ceil(d / block_d)
+    if not (0 <= program[0] < b and 0 <= program[1] < n_dblocks):
+        raise ValueError(f"program must be (pid_b, pid_d) within the grid ({b}, {n_dblocks}); got {program}")
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.3, 0.7], horizontal_spacing=0.17,
+                        subplot_titles=(f"grid ({b}, ⌈{d}/{block_d}⌉): {b * n_dblocks} programs",
+                                        f"program {program}: blocks of {block_l} steps"))
+    # Left: one rectangle a program; hover on its centre says what it owns.
+    cx, cy, text = [], [], []
+    for pb in range(b):
+        for pd in range(n_dblocks):
+            mine = (pb, pd) == program
+            lo, hi = pd * block_d, min(d, (pd + 1) * block_d)
+            fig.add_shape(type="rect", x0=lo, x1=hi, y0=pb, y1=pb + 1, row=1, col=1,
+                          line=dict(color="white", width=2),
+                          fillcolor=_COLORS[0] if mine else "rgba(31, 119, 180, 0.25)")
+            cx.append((lo + hi) / 2)
+            cy.append(pb + 0.5)
+            text.append(f"({pb}, {pd})")
+    fig.add_trace(go.Scatter(x=cx, y=cy, mode="text", text=text, textfont=dict(size=10), showlegend=False,
+                             hovertemplate="program %{text}<extra></extra>"), row=1, col=1)
+    # Right: three lanes, one rectangle a block on each; the checkpoints as markers on the write lane.
+    lanes = {"HBM → chip (reads)": 2, "on chip (registers)": 1, "chip → HBM (writes)": 0}
+    what = {2: f"u, Δ, z: ({block_d}, {block_l}) tiles; B, C: rows of {block_l}, one state index at a time",
+            1: f"a = exp(ΔA), b̄x, h: ({block_d}, {block_l}) for one state index (loop over n = {n}); "
+               f"y summed over n",
+            0: f"out: a ({block_d}, {block_l}) tile"}
+    colors = {2: _COLORS[1], 1: _COLORS[2], 0: _COLORS[3]}
+    hx, hy, htext = [], [], []
+    for k in range(math.ceil(l / block_l)):
+        lo, hi = k * block_l, min(l, (k + 1) * block_l)
+        for lane in lanes.values():
+            fig.add_shape(type="rect", x0=lo, x1=hi, y0=lane + 0.1, y1=lane + 0.9, row=1, col=2,
+                          line=dict(color="white", width=2), fillcolor=colors[lane], opacity=0.55)
+            hx.append((lo + hi) / 2)
+            hy.append(lane + 0.5)
+            htext.append(f"block {k} (steps {lo}–{hi - 1}): {what[lane]}")
+    fig.add_trace(go.Scatter(x=hx, y=hy, mode="markers", marker=dict(size=14, opacity=0), text=htext,
+                             showlegend=False, hovertemplate="%{text}<extra></extra>"), row=1, col=2)
+    ends = list(range(ckpt_l - 1, l, ckpt_l)) + ([l - 1] if (l - 1) % ckpt_l != ckpt_l - 1 else [])
+    fig.add_trace(go.Scatter(x=[t + 1 for t in ends], y=[0.5] * len(ends), mode="markers",
+                             marker=dict(symbol="triangle-down", size=11, color="black"),
+                             name=f"state ({block_d}, {n}) written every {ckpt_l} steps (read back by the next "
+                                  f"block and the backward)",
+                             hovertemplate="state after step %{x}<extra></extra>"), row=1, col=2)
+    for lane, name in ((2, "read from HBM a block"), (1, "kept on chip while the block runs"),
+                       (0, "written to HBM a block")):
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", size=12,
+                                 color=colors[lane], opacity=0.55), name=name), row=1, col=2)
+    fig.update_xaxes(title_text="channel (d)", range=[0, d], row=1, col=1)
+    fig.update_yaxes(title_text="batch row (b)", range=[b, 0], row=1, col=1)
+    fig.update_xaxes(title_text="time step t (sequence position)", range=[0, l], row=1, col=2)
+    fig.update_yaxes(tickvals=[v + 0.5 for v in lanes.values()], ticktext=list(lanes), range=[0, 3], row=1, col=2)
+    fig.update_layout(title="The selective-scan forward: which program owns which tile, and what moves between "
+                            "HBM and the chip",
+                      template="plotly_white", height=420, legend=dict(orientation="h", y=-0.2))
     return fig
