@@ -238,6 +238,49 @@ def int32_offsets(what: str, count: int, size: tuple[str, int], hint: str = "") 
                      f"{_fit(value, count, INT32_MAX):,} or less would fit{hint}")
 
 
+def available_bytes(device: torch.device) -> int | None:
+    """The bytes ``device`` can still allocate: on a GPU, the driver's free memory plus what torch's caching
+    allocator holds unused; on the CPU, the kernel's MemAvailable (/proc/meminfo). None where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def copies_fit(op: str, device: torch.device, copies: Sequence[tuple[str, torch.Tensor, torch.dtype]],
+               outputs: int, hint: str = "") -> None:
+    """The contiguous copies an op makes of its inputs, and its ``outputs`` bytes, must fit ``device``'s
+    available memory (:func:`available_bytes`), checked before anything is allocated.
+
+    ``copies``: (name, tensor, the dtype the kernels read it in); a contiguous tensor already in that dtype is
+    read in place and costs nothing. An expanded view (stride 0) of one element stands for a tensor of its full
+    size once copied: the check names it, rather than leave the allocator to fail mid-op. Only what the op is
+    certain to hold at once is counted, so a refusal here is never a call that would have fitted; with nothing
+    to copy there is nothing to check (and no memory query on the op's path)."""
+    copied = [(name, t.numel() * torch.empty((), dtype=dt).element_size()) for name, t, dt in copies
+              if t is not None and not (t.is_contiguous() and t.dtype == dt)]
+    if not copied:   # inputs read in place: an output that does not fit is the allocator's ordinary error
+        return
+    need = sum(size for _, size in copied) + outputs
+    free = available_bytes(device)
+    if free is None or need <= free:
+        return
+    views = ", ".join(f"{name} ({size / 1e9:.1f} GB)" for name, size in sorted(copied, key=lambda c: -c[1])
+                      if size >= need / 20)   # the copies that matter
+    raise ValueError(f"{op} needs {need / 1e9:.1f} GB before its kernels run, {device} has {free / 1e9:.1f} GB "
+                     f"available: contiguous copies of {views or 'nothing'} (the kernels read contiguous rows; "
+                     f"an expanded or strided view is copied at its full size) and {outputs / 1e9:.1f} GB of "
+                     f"outputs{hint}")
+
+
 class SignatureCache:
     """Remembers the argument signatures a metadata-only check accepted, so that a loop calling an op with
     same-shaped inputs (a decoding step per token) runs the check once rather than every call.

@@ -169,6 +169,30 @@ def test_ssd_positions_beyond_int32(no_launch):
         ssd_chunk_scan_forward(*ssd_inputs(2**16, 2**15, 1, 1), 16)
 
 
+@pytest.mark.parametrize("op", [ssd_chunk_scan, ssd_chunk_scan_forward])
+def test_ssd_expanded_inputs_are_sized_before_anything_is_allocated(op, no_launch, monkeypatch):
+    """x expanded from one element to b · l · h · p = 2^16 · 2^8 · 129 entries (more than 2^31): its contiguous
+    fp32 copy takes 8.66 GB, the output as much, dt's copy 0.07 GB: 17.4 GB. With 16 GB available the op must
+    refuse, naming x and the sizes, before _prepare copies anything (the stubbed _prepare raises Launched)."""
+    monkeypatch.setattr(validate, "available_bytes", lambda device: 16 * 10**9)
+    inputs = ssd_inputs(1, 2**16, 2**8, 2**7 + 1)
+    with pytest.raises(ValueError, match=r"the SSD chunk scan needs 17.4 GB before its kernels run, \S+ has 16.0 GB "
+                                         r"available: contiguous copies of x \(8.7 GB\) \(the kernels.*split the batch"):
+        op(*inputs, 256)
+    monkeypatch.setattr(validate, "available_bytes", lambda device: 18 * 10**9)
+    with pytest.raises(Launched):   # the same call where the memory is there
+        op(*inputs, 256)
+
+
+def test_copies_fit_counts_only_what_is_copied():
+    cpu = torch.device("cpu")
+    plain = torch.zeros(4, 4)
+    validate.copies_fit("op", cpu, [("x", plain, torch.float32)], outputs=0)     # read in place: nothing needed
+    big = torch.zeros(1).expand(2**40)
+    with pytest.raises(ValueError, match=r"op needs 4398.0 GB .*copies of x \(4398.0 GB\)"):
+        validate.copies_fit("op", cpu, [("x", big, torch.float32)], outputs=0)
+
+
 # ---------------------------------------------------------------------------------------------- Mamba-3
 def mamba3_inputs(b, l, h, p=16, n=16, per_token=False):
     seq = () if per_token else (l,)

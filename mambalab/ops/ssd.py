@@ -162,6 +162,11 @@ def _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, 
     seq_idx, cu_seqlens, checks = _check_packed(x, seq_idx, cu_seqlens, return_varlen_states)
     check_kernel_limits(b, l, h, p, n, g, chunk_size, x.dtype, dev, backward,
                         num_seqs=cu_seqlens.shape[0] - 1 if cu_seqlens is not None else 0)
+    kdtype = _device.compute_dtype(x.dtype, dev)   # the dtype _prepare gives the kernels
+    validate.copies_fit("the SSD chunk scan", dev, [("x", x, kdtype), ("z", z, kdtype), ("B", B, kdtype),
+                                                    ("C", C, kdtype), ("dt", dt, _device.compute_dtype(dt.dtype, dev))],
+                        outputs=x.numel() * torch.empty((), dtype=kdtype).element_size(),   # out
+                        hint="; split the batch or the sequence")
     return seq_idx, cu_seqlens, [validate.Finite("dt", dt), *checks]
 
 
@@ -221,7 +226,8 @@ def ssd_chunk_scan_forward(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=N
     Raises:
         TypeError / ValueError naming the argument, before any launch: wrong types, dtypes, shapes, devices or
             values (NaN or infinity in dt); sizes beyond the kernels' launch grids (h at most 65,535 heads:
-            CUDA's cap on grid axes 1 and 2; fewer for large p or q) or their 32-bit offsets.
+            CUDA's cap on grid axes 1 and 2; fewer for large p or q) or their 32-bit offsets; expanded or
+            strided inputs whose contiguous copies, with the output, exceed the device's available memory.
         NotImplementedError: if an input requires grad while autograd is recording (this entry point is forward
             only; :func:`ssd_chunk_scan` has the backward).
     """
