@@ -1,8 +1,10 @@
 """Exercises of chapter 07 (inference): checkers that say ✓ or ✗ and how far off.
 
-* :func:`mamba2_layer_state_bytes`: the bytes of one Mamba-2 layer's decode state (conv state in the model's
-  dtype, SSM state in fp32) for a config.
-* :func:`kv_cache_bytes`: the bytes of a Transformer's KV cache at context L.
+* :func:`mamba2_layer_state_bytes`: the bytes of one Mamba-2 layer's decode state for a config, as mambalab's
+  ``Mamba2`` allocates it (conv state in the model's dtype, SSM state in fp32; mamba-ssm's
+  ``Mamba2.allocate_inference_cache`` would use the model's dtype for both, ``ssm_element_size=2`` here).
+* :func:`kv_cache_bytes`: the bytes of a Transformer's KV cache at context L; by default the grouped-query
+  Transformer (8 key/value heads of 64) with as many parameters as mamba2-2.7b.
 * :func:`top_p_filter`: a top-p (nucleus) filter, checked against :func:`mambalab.inference.filter_top_p` on
   random logits.
 
@@ -36,23 +38,30 @@ def _compare(answer, want: int, what: str) -> bool:
                    f"{got / want:.3g}× the right value)")
 
 
-def mamba2_layer_state_bytes(answer, config: dict | None = None, batch: int = 1, element_size: int = 2) -> bool:
+def mamba2_layer_state_bytes(answer, config: dict | None = None, batch: int = 1, element_size: int = 2,
+                             ssm_element_size: int = 4) -> bool:
     """``answer``: bytes of one Mamba-2 layer's decode state for ``config`` (an :class:`LMConfig`'s fields;
-    default mamba2-2.7b), conv state in a dtype of ``element_size`` bytes and SSM state in fp32, as
-    ``Mamba2.allocate_inference_cache`` makes them."""
+    default mamba2-2.7b), conv state in a dtype of ``element_size`` bytes and SSM state of ``ssm_element_size``
+    (default 4: fp32, as mambalab's ``Mamba2.allocate_inference_cache`` makes it)."""
     from mambalab.modules.lm import LMConfig
     from mambalab.inference.memory import mamba2_state_bytes
 
-    want = mamba2_state_bytes(LMConfig(**(config or MAMBA2_2_7B)), batch, conv_element_size=element_size)
+    want = mamba2_state_bytes(LMConfig(**(config or MAMBA2_2_7B)), batch, conv_element_size=element_size,
+                              ssm_element_size=ssm_element_size)
     return _compare(answer, want["per_layer"], f"bytes per layer (batch {batch})")
 
 
-def kv_cache_bytes(answer, seqlen: int = 65536, d_model: int = 2560, n_layer: int = 64, batch: int = 1,
-                   element_size: int = 2) -> bool:
-    """``answer``: bytes of a multi-head-attention Transformer's KV cache at ``seqlen`` tokens."""
-    from mambalab.inference.memory import kv_cache_bytes as formula
+def kv_cache_bytes(answer, seqlen: int = 65536, d_model: int = 2560, n_layer: int | None = None, batch: int = 1,
+                   element_size: int = 2, kv_heads: int | None = 8, head_dim: int | None = 64) -> bool:
+    """``answer``: bytes of a Transformer's KV cache at ``seqlen`` tokens: grouped-query attention over
+    ``kv_heads`` key/value heads of ``head_dim`` (both None: multi-head attention), ``n_layer`` layers (None: as
+    many as give the Transformer mamba2-2.7b's parameters, :func:`~mambalab.inference.memory.matched_transformer_layers`)."""
+    from mambalab.inference.memory import kv_cache_bytes as formula, matched_transformer_layers
+    from mambalab.modules.lm import LMConfig
 
-    want = formula(seqlen, d_model, n_layer, batch, element_size)
+    if n_layer is None:
+        n_layer = matched_transformer_layers(LMConfig(**{**MAMBA2_2_7B, "d_model": d_model}), kv_heads, head_dim)
+    want = formula(seqlen, d_model, n_layer, batch, element_size, kv_heads, head_dim)
     return _compare(answer, want, f"bytes of KV cache at L = {seqlen:,}")
 
 
