@@ -188,12 +188,14 @@ def test_a_stale_latest_marker_falls_back_to_the_newest_complete_checkpoint(two_
     assert "resuming from the newest complete one" in capsys.readouterr().err
 
 
-def test_a_run_that_trains_no_step_overwrites_nothing(two_checkpoints, tmp_path):
+def test_a_run_that_trains_no_step_overwrites_nothing(two_checkpoints, tmp_path, capsys):
     root = copy(two_checkpoints, tmp_path)
     written = {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
     rows = train(config(steps=1, resume=str(root / "ck" / "step_000002"), checkpoint_dir=str(root / "ck"),
                         out_dir=str(root / "out")))
     assert rows == []
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"mambalab.train: {root / 'ck' / 'step_000002'} is at step 2 and steps = 1: nothing to train, nothing written")
     assert {p: p.read_bytes() for p in root.rglob("*") if p.is_file()} == written
     assert json.loads((root / "out" / "summary.json").read_text())["final_loss"] is not None
 
