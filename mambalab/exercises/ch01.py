@@ -7,6 +7,10 @@
   checked against :func:`mambalab.ref.selective_scan.selective_scan_ref`.
 * :func:`scan_loop`: write the minimal kernel's loop over l (:mod:`mambalab.kernels.selective_scan_minimal`)
   as a PyTorch function ``scan(u, delta, A, B, C) -> y``, checked against the reference on several shapes.
+* :func:`scan_skip_gate`: add the skip D and the gate z to the minimal Triton loop kernel, launched by
+  ``scan(u, delta, A, B, C, D, z) -> out``, out = (Σ_n C h + D u) ⊙ silu(z); checked against the reference.
+* :func:`reverse_scan`: the backward's core as a Triton kernel, ``reverse_scan(a, x) -> g`` with
+  g_t = a_{t+1} g_{t+1} + x_t from the last step to the first (g_{l-1} = x_{l-1}), a and x (r, l).
 
 Each checker prints one line and returns True or False; it never raises on a wrong answer (an exception
 raised by the reader's function is reported, not propagated), and an answer left as ``None`` or ``...``
@@ -20,7 +24,8 @@ import torch
 
 from mambalab.exercises import not_attempted, verdict
 
-__all__ = ["THREE_STEPS", "scan_loop", "three_step_scan", "three_step_scan_expected", "zoh_step"]
+__all__ = ["THREE_STEPS", "reverse_scan", "reverse_scan_expected", "scan_loop", "scan_skip_gate", "three_step_scan",
+           "three_step_scan_expected", "zoh_step"]
 
 # One channel, one state: A = -ln 2, so exp(Δ A) = 2^-Δ; B = C = 1, so y_t = h_t and Δ u B = Δ u.
 THREE_STEPS = dict(A=-math.log(2.0), delta=(1.0, 1.0, 2.0), u=(2.0, 1.0, 2.0), B=1.0, C=1.0)
@@ -120,3 +125,100 @@ def scan_loop(fn) -> bool:
         if err > 1e-4:
             return verdict(False, "", f"at (b, d, n, l) = {(b, d, n, l)}: max |y - reference| = {err:.3g}")
     return verdict(True, f"right: your loop matches the reference on three shapes (max |Δ| = {worst:.2g})", "")
+
+
+def _kernel_device() -> str:
+    # Triton kernels run on the GPU when there is one, else on CPU tensors through the interpreter.
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def scan_skip_gate(fn) -> bool:
+    """``fn(u, delta, A, B, C, D, z) -> out``: the minimal loop kernel with the skip D (d,) and the gate z
+    (b, d, l) added, out = (Σ_n C_t h_t + D u_t) · silu(z_t); u, delta, z (b, d, l), A (d, n), B and C (b, n, l),
+    all fp32 and contiguous, on the device Triton kernels run on. Checked against the reference on three shapes
+    (small: on a CPU the interpreter runs the kernel)."""
+    from mambalab.ref.selective_scan import selective_scan_ref
+
+    if not_attempted(fn):
+        return False
+    if not callable(fn):
+        return verdict(False, "", f"expected a function fn(u, delta, A, B, C, D, z) -> out; got {fn!r}")
+    gen = torch.Generator().manual_seed(1)
+    worst = 0.0
+    for b, d, n, l in [(1, 1, 1, 4), (2, 3, 4, 9), (1, 6, 5, 13)]:
+        x = dict(u=torch.randn(b, d, l, generator=gen), delta=0.5 * torch.rand(b, d, l, generator=gen),
+                 A=-(0.5 + torch.rand(d, n, generator=gen)), B=torch.randn(b, n, l, generator=gen),
+                 C=torch.randn(b, n, l, generator=gen), D=torch.randn(d, generator=gen),
+                 z=torch.randn(b, d, l, generator=gen))
+        want = selective_scan_ref(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x["D"], z=x["z"])
+        dev = {k: v.to(_kernel_device()) for k, v in x.items()}
+        try:
+            got = torch.as_tensor(fn(*(dev[k] for k in ("u", "delta", "A", "B", "C", "D", "z")))).detach().cpu()
+        except Exception as err:  # noqa: BLE001 - report any failure of the reader's code, never raise
+            return verdict(False, "", f"at (b, d, n, l) = {(b, d, n, l)}: {_describe_error(err)}")
+        if tuple(got.shape) != tuple(want.shape):
+            return verdict(False, "", f"at (b, d, n, l) = {(b, d, n, l)}: out has shape {tuple(got.shape)}, "
+                           f"expected {tuple(want.shape)}")
+        err = float((got.double() - want.double()).abs().nan_to_num(nan=math.inf).max())
+        worst = max(worst, err)
+        if err > 1e-4:
+            no_gate = selective_scan_ref(x["u"], x["delta"], x["A"], x["B"], x["C"], D=x["D"])
+            hint = ""
+            if float((got.double() - no_gate.double()).abs().max()) <= 1e-4:
+                hint = " (your output is the scan without the gate: multiply by silu(z) = z·sigmoid(z))"
+            elif float((got.double() - (no_gate * x["z"]).double()).abs().max()) <= 1e-4:
+                hint = " (your output is gated by z itself: the gate is silu(z) = z·sigmoid(z))"
+            return verdict(False, "", f"at (b, d, n, l) = {(b, d, n, l)}: max |out - reference| = {err:.3g}{hint}")
+    return verdict(True, f"right: your kernel with D and z matches the reference on three shapes "
+                   f"(max |Δ| = {worst:.2g})", "")
+
+
+def reverse_scan_expected(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """g_t = a_{t+1} g_{t+1} + x_t from t = l - 1 down to 0 (g_{l-1} = x_{l-1}), over the last axis of (r, l)."""
+    g, out = torch.zeros_like(x[..., 0]), torch.empty_like(x)
+    for t in reversed(range(x.shape[-1])):
+        a_next = a[..., t + 1] if t + 1 < x.shape[-1] else torch.zeros_like(g)
+        g = a_next * g + x[..., t]
+        out[..., t] = g
+    return out
+
+
+def _forward_scan(a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """h_t = a_t h_{t-1} + x_t, first step to last: the forward's recurrence, for a hint."""
+    h, out = torch.zeros_like(x[..., 0]), torch.empty_like(x)
+    for t in range(x.shape[-1]):
+        h = a[..., t] * h + x[..., t]
+        out[..., t] = h
+    return out
+
+
+def reverse_scan(fn) -> bool:
+    """``fn(a, x) -> g``: the adjoint's recurrence g_t = a_{t+1} g_{t+1} + x_t, run from the last step to the first,
+    on a and x (r, l) fp32 contiguous, on the device Triton kernels run on; g (r, l). In the backward of section 6,
+    a_t = exp(Δ_t A) and x_t = C_t dy_t, and g is λ. Checked against :func:`reverse_scan_expected`."""
+    if not_attempted(fn):
+        return False
+    if not callable(fn):
+        return verdict(False, "", f"expected a function fn(a, x) -> g; got {fn!r}")
+    gen = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for r, l in [(1, 1), (3, 7), (5, 40)]:
+        a, x = torch.rand(r, l, generator=gen), torch.randn(r, l, generator=gen)
+        want = reverse_scan_expected(a, x)
+        try:
+            got = torch.as_tensor(fn(a.to(_kernel_device()), x.to(_kernel_device()))).detach().cpu()
+        except Exception as err:  # noqa: BLE001 - report any failure of the reader's code, never raise
+            return verdict(False, "", f"at (r, l) = {(r, l)}: {_describe_error(err)}")
+        if tuple(got.shape) != (r, l):
+            return verdict(False, "", f"at (r, l) = {(r, l)}: g has shape {tuple(got.shape)}, expected {(r, l)}")
+        err = float((got.double() - want.double()).abs().nan_to_num(nan=math.inf).max())
+        worst = max(worst, err)
+        if err > 1e-5:
+            hint = ""
+            same_step = reverse_scan_expected(torch.cat([a[:, :1], a[:, :-1]], dim=1), x)   # a_t in place of a_{t+1}
+            if float((got.double() - same_step.double()).abs().max()) <= 1e-5:
+                hint = " (your g_t decays by a_t; the adjoint of h_{t+1} = a_{t+1} h_t + ... decays by a_{t+1})"
+            elif float((got.double() - _forward_scan(a, x).double()).abs().max()) <= 1e-5:
+                hint = " (your scan runs first step to last: the adjoint runs from t = l - 1 down to 0)"
+            return verdict(False, "", f"at (r, l) = {(r, l)}: max |g - expected| = {err:.3g}{hint}")
+    return verdict(True, f"right: your reverse scan matches on three shapes (max |Δ| = {worst:.2g})", "")
