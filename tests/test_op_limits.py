@@ -214,3 +214,32 @@ def test_mamba3_rank_expanded_positions_beyond_int32(no_launch):
     inp = mamba3_inputs(2**16, 2**15, 1)
     with pytest.raises(ValueError, match=r"the positions \(b, l\) = \(65536, 32768\) would have"):
         mamba3_chunk_scan(**inp, chunk_size=16)
+
+
+class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every ATen op that runs (on a GPU, each is a kernel launch or a copy back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+def test_mamba3_nan_dt_is_found_before_anything_else_runs():
+    """A NaN in dt, packed sequences, bf16 inputs (cast to fp32 for the interpreter, and on a GPU the step
+    sizes, biases and angles to fp32): the op runs exactly the ops of the finite check and raises; no cast,
+    no seq_idx, no kernel comes first."""
+    from conftest import make_mamba3_inputs
+
+    inp = {k: t.to(KERNEL_DEVICE, torch.bfloat16) for k, t in make_mamba3_inputs(1, 32, 2, 16, 1, 16, 1, 2).items()
+           if t is not None}
+    inp["dt"][0, 5, 1] = float("nan")
+    cu_seqlens = torch.tensor([0, 20, 32], device=KERNEL_DEVICE, dtype=torch.int32)
+    with _Ops() as alone, pytest.raises(ValueError, match="dt contains NaN"):
+        validate.finite("dt", inp["dt"])
+    with torch.no_grad(), _Ops() as op, pytest.raises(ValueError, match="dt contains NaN"):
+        mamba3_chunk_scan(**inp, chunk_size=16, cu_seqlens=cu_seqlens)
+    assert op.ops == alone.ops, op.ops

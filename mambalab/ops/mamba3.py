@@ -296,11 +296,12 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     sizes = _checked(args, initial_state if cu_seqlens is None else None, per_token=False, chunk_size=chunk_size,
                      backward=backward)
     b, l, h, p, g, n, r, a = sizes
+    # before anything else runs on the device (the casts below, seq_idx): a NaN in dt launches nothing
+    validate.finite("dt", dt)
     seq_idx, bounds = (None, None) if cu_seqlens is None else _packed(cu_seqlens, v, sizes, initial_state)
     # packed: the kernels run every sequence from zero; PyTorch adds the initial states (and forms final states
     # that need a gradient), :func:`_sequence_states`
     own_final = seq_idx is not None and return_final_state and backward
-    dt_finite = validate.Finite("dt", dt)   # queued here, waited for just before the first launch
     dtype_in = v.dtype
     kd = _device.compute_dtype(dtype_in, v.device)
     act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
@@ -311,7 +312,6 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     if initial_state is not None:
         initial_state = Mamba3State(*(t.float() for t in initial_state))
 
-    dt_finite.check()
     theta = AngleFn.apply(angles, dt.contiguous(),
                           None if initial_state is None or seq_idx is not None else initial_state.angle.contiguous(),
                           seq_idx)                                            # (b, l, h, a)
