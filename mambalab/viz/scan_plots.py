@@ -2,7 +2,7 @@
 
 Every builder returns a ``plotly.graph_objects.Figure`` with a title, labelled axes and units; notebooks call
 ``fig.show()``. :func:`memory_explorer` wraps :func:`memory_kernel_figure` in an ipywidgets slider over Δ, the
-slider's curve drawn bold over a few fixed Δ values.
+slider's curve drawn dashed over a few fixed Δ values.
 :func:`scan_schedule` is the combine schedule the tree figure draws, also usable to run the scan by hand.
 """
 from __future__ import annotations
@@ -26,7 +26,8 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int,
     the input from k steps ago is weighted by exp(Δ·A·k) (A < 0). One curve per Δ, over lags 0 … length-1,
     with the 1/e line: a state "remembers" about 1 / (Δ |A|) steps. Large Δ: focus on the present (and reset);
     small Δ: keep the past (and ignore the current input, since B̄ = Δ B is small too). ``highlight``: one
-    more Δ, drawn bold in black (the explorer's slider value).
+    more Δ, drawn in black, dashed and on top (the explorer's slider value): where it equals one of
+    ``delta_values``, that curve's colour shows between the dashes, so neither hides the other.
     """
     if A >= 0:
         raise ValueError(f"A must be negative for the state to decay; got A = {A}")
@@ -36,14 +37,15 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int,
         memory = 1.0 / (dt * abs(A))
         fig.add_trace(go.Scatter(
             x=lags, y=[math.exp(dt * A * k) for k in lags], mode="lines",
-            name=f"Δ = {dt:.3g}  (memory ≈ {memory:.3g} steps)", line=dict(color=_COLORS[i % len(_COLORS)]),
+            name=f"Δ = {dt:.3g}  (memory ≈ {memory:.3g} steps)",
+            line=dict(color=_COLORS[i % len(_COLORS)], width=5),
             hovertemplate="lag %{x} steps<br>kept %{y:.3f}<extra>Δ = " + f"{dt:.3g}" + "</extra>",
         ))
     if highlight is not None:
         fig.add_trace(go.Scatter(
             x=lags, y=[math.exp(highlight * A * k) for k in lags], mode="lines",
             name=f"slider: Δ = {highlight:.3g}  (memory ≈ {1.0 / (highlight * abs(A)):.3g} steps)",
-            line=dict(color="black", width=4),
+            line=dict(color="black", width=3, dash="dash"),
             hovertemplate="lag %{x} steps<br>kept %{y:.3f}<extra>slider Δ = " + f"{highlight:.3g}" + "</extra>",
         ))
     fig.add_hline(y=math.exp(-1), line=dict(dash="dot", color="grey"),
@@ -59,7 +61,7 @@ def memory_kernel_figure(delta_values: Sequence[float], A: float, length: int,
 
 def memory_explorer(A: float, length: int, delta: float = 0.1, delta_min: float = 1e-3, delta_max: float = 10.0,
                     reference_deltas: Sequence[float] = ()):
-    """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` with the slider's Δ drawn bold
+    """Display a log slider over Δ and, below it, :func:`memory_kernel_figure` with the slider's Δ drawn dashed
     over the fixed ``reference_deltas``.
 
     Starts at ``delta`` so that a headless run shows a meaningful figure. Moving the slider redraws the
