@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import device
+from mambalab.ops.conv1d import causal_conv_taps
 from mambalab.ops.conv_update import causal_conv1d_update
 
 
@@ -36,7 +37,7 @@ def causal_conv1d(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor |
     on the left when l < d_conv; with ``seq_idx``, those of the row's last sequence only), so
     :func:`causal_conv1d_step` can continue from there. l = 0 gives an empty output and a zeroed window.
     ``seq_idx`` (b, l): packed sequences (module docstring); the window is then a sum of d_conv shifted,
-    masked copies of x rather than nn.Conv1d.
+    masked copies of x (:func:`mambalab.ops.conv1d.causal_conv_taps`) rather than nn.Conv1d.
     """
     l, width = x.shape[-1], conv1d.kernel_size[0]
     if seq_idx is not None and tuple(seq_idx.shape) != (x.shape[0], l):
@@ -48,14 +49,7 @@ def causal_conv1d(conv1d: nn.Conv1d, x: torch.Tensor, conv_state: torch.Tensor |
         return x.new_empty(x.shape)
     if seq_idx is None:
         return F.silu(conv1d(x)[..., :l])  # drop the outputs that peek ahead
-    xp = F.pad(x, (width - 1, 0))                                           # (b, channels, width - 1 + l)
-    sp = F.pad(seq_idx, (width - 1, 0), value=-1)                           # the padding: zeros in xp anyway
-    weight = conv1d.weight[:, 0]                                            # (channels, width)
-    y = torch.zeros_like(x) if conv1d.bias is None else conv1d.bias[:, None].expand_as(x).to(x.dtype)
-    for k in range(width):   # tap k reads x_{t - (width - 1 - k)}, if it is of t's sequence
-        same = (sp[:, k:k + l] == seq_idx)[:, None]                         # (b, 1, l)
-        y = y + weight[:, k, None] * torch.where(same, xp[..., k:k + l], 0.0)
-    return F.silu(y)
+    return F.silu(causal_conv_taps(x, conv1d.weight[:, 0], conv1d.bias, seq_idx))
 
 
 def varlen_conv_states(x: torch.Tensor, cu_seqlens: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,0 +1,245 @@
+"""mambalab.ops.causal_conv1d_fn against references: forward, final states and every gradient (dx, dweight,
+dbias, dinitial_states) in fp32 and bf16; packed sequences (seq_idx, padding); gradients in float64;
+a bitwise-repeatable backward whose dweight does not depend on the GPU profile; the errors it raises.
+
+``causal_conv1d_ref`` below is the ``causal_conv1d`` package's reference, ported from Dao-AILab/causal-conv1d,
+causal_conv1d/causal_conv1d_interface.py (Copyright (c) 2024, Tri Dao; BSD 3-Clause License): F.conv1d with
+the initial states (or zeros) in front, computed in weight's dtype. Changed: ``final_states_out`` left out.
+"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from mambalab.determinism import emulate
+from mambalab.kernels.reduce import fold_reference
+from mambalab.modules.conv import causal_conv1d as module_causal_conv1d
+from mambalab.ops import causal_conv1d_fn
+
+from conftest import KERNEL_DEVICE, requires_gpu
+
+
+def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
+    """causal_conv1d's reference (module docstring)."""
+    dtype_in = x.dtype
+    x = x.to(weight.dtype)
+    seqlen = x.shape[-1]
+    dim, width = weight.shape
+    if initial_states is None:
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)
+    else:
+        x = torch.cat([initial_states.to(weight.dtype), x], dim=-1)
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=0, groups=dim)
+    out = out[..., :seqlen]
+    out = (out if activation is None else F.silu(out)).to(dtype=dtype_in)
+    if not return_final_states:
+        return out
+    return out, F.pad(x, (width - 1 - x.shape[-1], 0)).to(dtype_in)
+
+
+def leaves(*tensors):
+    return [None if t is None else t.detach().clone().requires_grad_() for t in tensors]
+
+
+def inputs(b, d, l, width, dtype, bias=True, init=False, seed=0, device=KERNEL_DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, d, l, generator=gen).to(dtype)
+    weight = torch.randn(d, width, generator=gen)              # fp32 weights, as causal_conv1d's tests
+    bias_ = torch.randn(d, generator=gen) if bias else None
+    init_ = torch.randn(b, d, width - 1, generator=gen).to(dtype) if init else None
+    return [None if t is None else t.to(device) for t in (x, weight, bias_, init_)]
+
+
+def grads(*tensors):
+    return [None if t is None else t.grad for t in tensors]
+
+
+TOL = {torch.float32: dict(rtol=3e-4, atol=1e-3), torch.bfloat16: dict(rtol=1e-2, atol=5e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("has_bias,has_init,final", [(True, False, False), (False, True, True), (True, True, True),
+                                                     (True, False, True)])
+def test_matches_reference(dtype, width, activation, has_bias, has_init, final):
+    x, w, bias, init = inputs(2, 6, 9, width, dtype, bias=has_bias, init=has_init)
+    ours = leaves(x, w, bias, init)
+    ref = leaves(x, w, bias, init)
+    out = causal_conv1d_fn(ours[0], ours[1], ours[2], initial_states=ours[3], return_final_states=final,
+                           activation=activation)
+    out_ref = causal_conv1d_ref(*ref, return_final_states=final, activation=activation)
+    loss_terms = []
+    if final:
+        (out, fs), (out_ref, fs_ref) = out, out_ref
+        assert fs.shape == (2, 6, width - 1) and fs.dtype == dtype
+        torch.testing.assert_close(fs, fs_ref, rtol=0, atol=0)      # a copy of inputs: exact
+        loss_terms = [torch.sigmoid(fs.float()).sum(), torch.sigmoid(fs_ref.float()).sum()]
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), out_ref.float(), **TOL[dtype])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out)
+    ((out.float() * g.float()).sum() + (loss_terms[0] if final else 0)).backward()
+    ((out_ref.float() * g.float()).sum() + (loss_terms[1] if final else 0)).backward()
+    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
+        if want is None:
+            assert got is None, name
+            continue
+        tol = dict(rtol=1e-3, atol=1e-3) if name in ("dweight", "dbias") else TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
+
+
+@pytest.mark.parametrize("activation", [None, "swish"])
+@pytest.mark.parametrize("width", [2, 4])
+def test_float64_gradients(activation, width):
+    """Our fp32 forward and gradients against the reference differentiated by autograd in float64."""
+    x, w, bias, init = inputs(2, 5, 11, width, torch.float32, init=True, seed=3)
+    ours = leaves(x, w, bias, init)
+    ref = leaves(*(t.double() for t in (x, w, bias, init)))
+    out, fs = causal_conv1d_fn(*ours[:3], initial_states=ours[3], return_final_states=True, activation=activation)
+    out_ref, fs_ref = causal_conv1d_ref(*ref, return_final_states=True, activation=activation)
+    torch.testing.assert_close(out.double(), out_ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    gf = torch.randn(fs.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    ((out.double() * g).sum() + (fs.double() * gf).sum()).backward()
+    ((out_ref * g).sum() + (fs_ref * gf).sum()).backward()
+    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def packed(b, l, lengths_per_row, pad=0):
+    """seq_idx (b, l) int32 with the given sequence lengths in each row, then ``pad`` positions of -1."""
+    rows = []
+    for lengths in lengths_per_row:
+        assert sum(lengths) + pad == l
+        row = torch.cat([torch.full((s,), i, dtype=torch.int32) for i, s in enumerate(lengths)]
+                        + [torch.full((pad,), -1, dtype=torch.int32)])
+        rows.append(row)
+    return torch.stack(rows).to(KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [2, 4])
+def test_seq_idx_matches_each_sequence_alone(dtype, width):
+    """Packed sequences give, for each sequence, the reference on that sequence alone; gradients too."""
+    lengths = [[3, 1, 8], [12]]
+    x, w, bias, _ = inputs(2, 4, 12, width, dtype, seed=7)
+    seq_idx = packed(2, 12, lengths)
+    ours, ref = leaves(x, w, bias), leaves(x, w, bias)
+    out = causal_conv1d_fn(*ours, seq_idx=seq_idx, activation="silu")
+    out_ref = torch.cat([torch.cat([causal_conv1d_ref(part, ref[1], ref[2], activation="silu")
+                                    for part in torch.split(ref[0][[i]], lengths[i], dim=2)], dim=2)
+                         for i in range(2)])
+    torch.testing.assert_close(out.float(), out_ref.float(), **TOL[dtype])
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out)
+    (out.float() * g.float()).sum().backward()
+    (out_ref.float() * g.float()).sum().backward()
+    for name, got, want in zip(("dx", "dweight", "dbias"), grads(*ours), grads(*ref)):
+        tol = dict(rtol=1e-3, atol=1e-3) if name != "dx" else TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
+
+
+def test_seq_idx_padding_gives_zero():
+    """Positions with a negative seq_idx are padding: output 0 and no gradient from them."""
+    x, w, bias, _ = inputs(2, 3, 10, 3, torch.float32, seed=9)
+    seq_idx = packed(2, 10, [[4, 3], [2, 5]], pad=3)
+    xs = x.clone().requires_grad_()
+    out = causal_conv1d_fn(xs, w, bias, seq_idx=seq_idx, activation="silu")
+    assert torch.equal(out[..., 7:], torch.zeros_like(out[..., 7:]))
+    torch.testing.assert_close(out[:1, :, :4], causal_conv1d_ref(x[:1, :, :4], w, bias, activation="silu"))
+    out[..., 7:].sum().backward()    # only padding outputs: nothing reaches x
+    assert torch.equal(xs.grad, torch.zeros_like(xs.grad))
+
+
+def test_module_conv_uses_the_same_taps():
+    """modules.conv.causal_conv1d with seq_idx (packed sequences) equals the op with activation silu."""
+    conv = nn.Conv1d(6, 6, 4, groups=6, padding=3).to(KERNEL_DEVICE)
+    x, *_ = inputs(2, 6, 10, 4, torch.float32, seed=10)
+    seq_idx = packed(2, 10, [[5, 5], [1, 9]])
+    with torch.no_grad():
+        want = module_causal_conv1d(conv, x, seq_idx=seq_idx)
+        got = causal_conv1d_fn(x, conv.weight[:, 0], conv.bias, seq_idx=seq_idx, activation="silu")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def backward_once(x, w, bias, init, g):
+    x, w, bias, init = leaves(x, w, bias, init)
+    out = causal_conv1d_fn(x, w, bias, initial_states=init, activation="silu")
+    out.backward(g)
+    return x.grad, w.grad, bias.grad, init.grad
+
+
+def test_backward_is_bitwise_repeatable_and_in_the_fixed_order():
+    """Two backwards give the same bits; dweight and dbias are the per-position partials summed in
+    sum_partials' order (fold_reference: the same order in PyTorch), whatever the GPU profile."""
+    b, d, l, width = 3, 5, 24, 4    # b·l = 72 partials: more than one segment of 32
+    x, w, bias, init = inputs(b, d, l, width, torch.float32, init=True, seed=11)
+    g = torch.randn(b, d, l, generator=torch.Generator().manual_seed(12)).to(x)
+    first, second = backward_once(x, w, bias, init, g), backward_once(x, w, bias, init, g)
+    for a, c in zip(first, second):
+        assert torch.equal(a, c)
+    with emulate("rtx4090"):
+        dw_4090 = backward_once(x, w, bias, init, g)[1]
+    with emulate("rtxa6000"):
+        dw_a6000 = backward_once(x, w, bias, init, g)[1]
+    assert torch.equal(dw_4090, dw_a6000)
+    # the partials from the reference's own autograd pieces: dpre · (the input each tap reads)
+    xp = torch.cat([init, x], dim=-1)
+    pre = causal_conv1d_ref(x, w, bias, initial_states=init)
+    s = torch.sigmoid(pre)
+    dpre = g * s * (1 + pre * (1 - s))
+    taps = torch.stack([dpre * xp[..., k:k + l] for k in range(width)], dim=-1)      # (b, d, l, width)
+    partials = taps.permute(0, 2, 1, 3).reshape(b * l, d, width)
+    torch.testing.assert_close(first[1], fold_reference(partials, 0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(first[2], fold_reference(dpre.transpose(1, 2).reshape(b * l, d), 0),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_final_states_out_is_written():
+    x, w, bias, init = inputs(2, 3, 2, 4, torch.float32, init=True, seed=13)   # l < width - 1
+    buf = torch.full((2, 3, 3), float("nan"), device=KERNEL_DEVICE)
+    out, fs = causal_conv1d_fn(x, w, bias, initial_states=init, return_final_states=True, final_states_out=buf)
+    assert fs is buf
+    torch.testing.assert_close(buf, torch.cat([init, x], dim=-1)[..., -3:], rtol=0, atol=0)
+
+
+def test_refusals():
+    x, w, bias, init = inputs(2, 4, 6, 3, torch.float32, init=True)
+    seq_idx = packed(2, 6, [[6], [3, 3]])
+    cases = [
+        (dict(activation="relu"), ValueError, "activation"),
+        (dict(seq_idx=seq_idx, initial_states=init), ValueError, "initial_states must be None"),
+        (dict(seq_idx=seq_idx, return_final_states=True), ValueError, "return_final_states"),
+        (dict(seq_idx=seq_idx.long()), TypeError, "seq_idx must be an int32"),
+        (dict(seq_idx=seq_idx[:, :5]), ValueError, "seq_idx must have shape"),
+        (dict(initial_states=init[..., :1]), ValueError, "initial_states must have shape"),
+        (dict(initial_states=init.bfloat16()), TypeError, "initial_states must have x's dtype"),
+        (dict(bias=bias[:3]), ValueError, "bias must have shape"),
+        (dict(bias=bias.bfloat16()), TypeError, "bias must have weight's dtype"),
+        (dict(weight=torch.randn(4, 5)), ValueError, "width"),
+        (dict(weight=torch.randn(3, 3)), ValueError, "weight must have shape"),
+        (dict(x=x[0]), ValueError, "x must have shape"),
+        (dict(x=x.double()), TypeError, "x must have dtype"),
+        (dict(return_final_states=True, final_states_out=torch.empty(2, 4, 3)), ValueError, "final_states_out"),
+    ]
+    for overrides, error, match in cases:
+        kwargs = dict(x=x, weight=w, bias=bias) | overrides
+        with pytest.raises(error, match=match):
+            causal_conv1d_fn(**kwargs)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_sizes(dtype):
+    """At a block's size on the GPU: forward and gradients against the reference."""
+    x, w, bias, init = inputs(2, 1536, 1024, 4, dtype, init=True, device="cuda")
+    ours, ref = leaves(x, w, bias, init), leaves(x, w, bias, init)
+    out = causal_conv1d_fn(*ours[:3], initial_states=ours[3], activation="silu")
+    out_ref = causal_conv1d_ref(*ref, activation="silu")
+    torch.testing.assert_close(out.float(), out_ref.float(), **TOL[dtype])
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_ref.backward(g)
+    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
+        tol = dict(rtol=1e-3, atol=1e-2) if name in ("dweight", "dbias") else TOL[dtype]
+        torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
