@@ -57,9 +57,10 @@ def test_decay_mask_accepts_the_column_by_column_mask_and_rejects_the_naive_one(
 
 
 def _crossing_closed_form(p, n):
-    """Reference: 2 q (n + p) <= 4 p n + 2 p n / q  <=>  (n + p) q² - 2 p n q - p n <= 0, solved for q; then the
-    largest power of two below the root."""
-    root = (p * n + math.sqrt((p * n) ** 2 + (n + p) * p * n)) / (n + p)
+    """Reference: q (n + p) <= 4 p n + 2 p n / q  <=>  (n + p) q² - 4 p n q - 2 p n <= 0 (the lower triangle of each
+    chunk, q²/2 entries, as the chunk-scan kernel visits it), solved for q; then the largest power of two below the
+    root."""
+    root = (2 * p * n + math.sqrt(4 * (p * n) ** 2 + 2 * (n + p) * p * n)) / (n + p)
     return 2 ** math.floor(math.log2(root))
 
 
@@ -74,10 +75,13 @@ def test_crossover_chunk_size_accepts_the_closed_form_crossing(p, n, capsys):
     assert ch02.crossover_chunk_size(float(reference) + 0.5, p=p, n=n) is False
 
 
-def test_crossover_chunk_size_at_mamba2s_sizes_is_64():
-    assert _crossing_closed_form(64, 128) == 64 == ch02.crossover_chunk_size_expected(64, 128)
+def test_crossover_chunk_size_at_mamba2s_sizes_is_128_and_32_at_n_16():
+    assert _crossing_closed_form(64, 128) == 128 == ch02.crossover_chunk_size_expected(64, 128)
+    assert _crossing_closed_form(64, 16) == 32 == ch02.crossover_chunk_size_expected(64, 16)
     block, state = ch02.chunk_flops(64)
-    assert block == 2 * 64 * (128 + 64) and state == 4 * 64 * 128 + 2 * 64 * 128 / 64
+    # a chunk of 64: 64²/2 entries of C Bᵀ (n = 128 multiply-adds each) and of the product with X (p = 64)
+    assert block == 2 * (64 * 64 / 2) * (128 + 64) / 64 and state == 4 * 64 * 128 + 2 * 64 * 128 / 64
+    assert not ch02.crossover_chunk_size(64, p=64, n=128)           # the full-square count's answer
     with pytest.raises(ValueError, match="positive"):
         ch02.chunk_flops(0)
 
@@ -143,7 +147,21 @@ def _intensity_counted(r, p, n, state_bytes=4, act_bytes=2):
 def test_decode_intensity_accepts_a_count_from_the_steps_tensors(r, capsys):
     reference = _intensity_counted(r, 64, 128)
     assert ch03.decode_intensity(reference, rank=r) is True
-    assert "below an H200's ridge point of 206" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fp32 ridge point of 14 " in out and "bf16 tensor-core one of 206" in out
+    # the fp32 ceiling: the H200 datasheet's 67 TFLOP/s over 4.8 TB/s; r = 8 comes within 3× of it
+    if r == 8:
+        assert 67e12 / 4.8e12 / reference < 3
     assert ch03.decode_intensity(reference * 1.05, rank=r) is False
     assert ch03.decode_intensity(reference, rank=2 * r) is False      # twice the rank: about twice the FLOPs a byte
     assert "expected" in capsys.readouterr().out
+
+
+def test_roofline_figure_draws_both_ceilings():
+    from mambalab.viz import mamba3_plots as mp
+
+    fig = mp.roofline_figure([1, 2, 4, 8], 64, 128)
+    tensor, fp32 = fig.data[1], fig.data[2]
+    assert tensor.y[0] == pytest.approx(989e12 / 4.8e12) and "tensor-core" in tensor.name
+    assert fp32.y[0] == pytest.approx(67e12 / 4.8e12) and "= 14 FLOP/byte" in fp32.name
+    assert len(mp.roofline_figure([1, 2], 64, 128, fp32_flops=None).data) == 2

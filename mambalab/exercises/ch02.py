@@ -73,8 +73,11 @@ def chunk_flops(q: int, p: int = 64, n: int = 128) -> tuple[float, float]:
     """FLOPs per position and head of the chunked algorithm with chunks of q, split in two (a multiply-add is
     2 FLOPs; the exp, masks and Δ scaling are left out):
 
-    * the quadratic block inside a chunk: C Bᵀ (q × q entries, each a dot over n) and (L ∘ C Bᵀ) X (q × q
-      entries times p): 2 q² (n + p) a chunk, so ``2 q (n + p)`` a position;
+    * the quadratic block inside a chunk: C Bᵀ (entries each a dot over n) and (L ∘ C Bᵀ) X (entries times p),
+      over the entries the chunk-scan kernel computes. Its programs visit only the column blocks on and below the
+      diagonal (``mambalab.kernels.ssd.chunk_scan``; mamba-ssm's ``_chunk_scan_fwd_kernel`` likewise), so the
+      convention here is q²/2 of the q² entries (the upper halves of the diagonal blocks left out):
+      2 · q²/2 · (n + p) a chunk, so ``q (n + p)`` a position;
     * the state side: each position's term of its chunk's state (p n multiply-adds), its read-out of the
       entering state (p n), and its share of the state passing (p n multiply-adds a chunk, shared by q
       positions): ``4 p n + 2 p n / q``.
@@ -82,7 +85,7 @@ def chunk_flops(q: int, p: int = 64, n: int = 128) -> tuple[float, float]:
     Returns (quadratic block, state side)."""
     if q < 1 or p < 1 or n < 1:
         raise ValueError(f"q, p and n must be positive; got {q}, {p}, {n}")
-    return 2.0 * q * (n + p), 4.0 * p * n + 2.0 * p * n / q
+    return 1.0 * q * (n + p), 4.0 * p * n + 2.0 * p * n / q
 
 
 def crossover_chunk_size_expected(p: int = 64, n: int = 128) -> int:

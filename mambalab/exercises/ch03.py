@@ -57,7 +57,7 @@ def decode_intensity_expected(rank: int, headdim: int = 64, d_state: int = 128) 
 def decode_intensity(answer, rank: int = 4, headdim: int = 64, d_state: int = 128, rtol: float = 0.01) -> bool:
     """``answer``: FLOPs per byte of one decode step of one head at MIMO rank ``rank`` (p = ``headdim``,
     n = ``d_state``, the state in fp32 and activations in 16 bits), within ``rtol``."""
-    from mambalab.viz.mamba3_plots import H200_BF16_FLOPS, H200_BYTES_PER_S
+    from mambalab.viz.mamba3_plots import H200_BF16_FLOPS, H200_BYTES_PER_S, H200_FP32_FLOPS
 
     if not_attempted(answer):
         return False
@@ -66,9 +66,10 @@ def decode_intensity(answer, rank: int = 4, headdim: int = 64, d_state: int = 12
     except (TypeError, ValueError):
         return verdict(False, "", f"expected a number (FLOPs per byte); got {answer!r}")
     want = decode_intensity_expected(rank, headdim, d_state)
-    ridge = H200_BF16_FLOPS / H200_BYTES_PER_S
+    fp32_ridge, tensor_ridge = H200_FP32_FLOPS / H200_BYTES_PER_S, H200_BF16_FLOPS / H200_BYTES_PER_S
     return verdict(abs(got - want) <= rtol * want,
-                   f"right: {want:.3g} FLOP/byte at r = {rank}, about {ridge / want:.0f}× below an H200's ridge "
-                   f"point of {ridge:.0f}",
+                   f"right: {want:.3g} FLOP/byte at r = {rank}: {fp32_ridge / want:.2g}× below an H200's fp32 "
+                   f"ridge point of {fp32_ridge:.0f} (where the step's arithmetic runs), {tensor_ridge / want:.0f}× "
+                   f"below its bf16 tensor-core one of {tensor_ridge:.0f}",
                    f"at r = {rank}, p = {headdim}, n = {d_state} expected {want:.4g} FLOP/byte; got {got:.4g} "
                    f"({(got - want) / want:+.1%})")

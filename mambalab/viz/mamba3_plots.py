@@ -14,15 +14,17 @@ from plotly.subplots import make_subplots
 
 from mambalab.ref import discretization
 
-__all__ = ["H200_BF16_FLOPS", "H200_BYTES_PER_S", "decode_step_cost", "decode_time_figure",
+__all__ = ["H200_BF16_FLOPS", "H200_BYTES_PER_S", "H200_FP32_FLOPS", "decode_step_cost", "decode_time_figure",
            "discretization_explorer", "discretization_figure", "roofline_figure", "training_figure"]
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
-METHOD_LABELS = {"euler": "Euler", "zoh": "ZOH (x held)", "exp_euler": "exponential-Euler (Mamba-1/2)",
+METHOD_LABELS = {"euler": "Euler", "zoh": "ZOH, x_{k-1} held", "exp_euler": "exponential-Euler (Mamba-1/2)",
                  "exp_trapezoidal": "exponential-trapezoidal (Mamba-3)"}
 # NVIDIA H200 SXM datasheet: bf16 tensor cores 1,979 TFLOP/s with 2:4 sparsity, so about 989 dense; HBM3e
-# 4.8 TB/s. Ridge point 989 / 4.8 ≈ 206 FLOP/byte.
+# 4.8 TB/s. Ridge point 989 / 4.8 ≈ 206 FLOP/byte. The same datasheet's FP32 (the ordinary CUDA cores, where a
+# decode step's elementwise sums run): 67 TFLOP/s, ridge point 67 / 4.8 ≈ 14 FLOP/byte.
 H200_BF16_FLOPS = 989e12
+H200_FP32_FLOPS = 67e12
 H200_BYTES_PER_S = 4.8e12
 
 
@@ -146,10 +148,12 @@ def decode_step_cost(rank: int, headdim: int, d_state: int, *, state_bytes: int 
 
 def roofline_figure(ranks: Sequence[int], headdim: int, d_state: int, *, peak_flops: float = H200_BF16_FLOPS,
                     bandwidth: float = H200_BYTES_PER_S, state_bytes: int = 4, act_bytes: int = 2,
-                    device_name: str = "H200") -> go.Figure:
+                    device_name: str = "H200", fp32_flops: float | None = H200_FP32_FLOPS) -> go.Figure:
     """Arithmetic intensity (FLOPs per byte, :func:`decode_step_cost`) of one decode step against MIMO rank r,
-    with the device's ridge point peak_flops / bandwidth: below it a step is bound by memory, so its time is
-    set by the bytes moved, which r barely changes."""
+    with two ridge points: the tensor cores' (``peak_flops`` / bandwidth, bf16 matrix products) and the ordinary
+    fp32 units' (``fp32_flops`` / bandwidth; None leaves it out), which is where a decode step's elementwise
+    arithmetic runs. Below a ridge point a step is bound by memory, so its time is set by the bytes moved, which
+    r barely changes; near the fp32 one the arithmetic starts to cost time."""
     costs = [decode_step_cost(r, headdim, d_state, state_bytes=state_bytes, act_bytes=act_bytes) for r in ranks]
     intensity = [f / b for f, b in costs]
     ridge = peak_flops / bandwidth
@@ -158,9 +162,16 @@ def roofline_figure(ranks: Sequence[int], headdim: int, d_state: int, *, peak_fl
                              text=[f"{i:.2g}" for i in intensity], textposition="top center",
                              line=dict(color=_COLORS[0])))
     fig.add_trace(go.Scatter(x=[min(ranks), max(ranks)], y=[ridge, ridge], mode="lines",
-                             name=f"{device_name} ridge point: {peak_flops / 1e12:.0f} TFLOP/s ÷ "
+                             name=f"{device_name} bf16 tensor-core ridge point: {peak_flops / 1e12:.0f} TFLOP/s ÷ "
                                   f"{bandwidth / 1e12:.1f} TB/s = {ridge:.0f} FLOP/byte",
                              line=dict(color=_COLORS[3], dash="dash")))
+    if fp32_flops is not None:
+        fp32_ridge = fp32_flops / bandwidth
+        fig.add_trace(go.Scatter(x=[min(ranks), max(ranks)], y=[fp32_ridge, fp32_ridge], mode="lines",
+                                 name=f"{device_name} fp32 ridge point (the step's arithmetic): "
+                                      f"{fp32_flops / 1e12:.0f} TFLOP/s ÷ {bandwidth / 1e12:.1f} TB/s = "
+                                      f"{fp32_ridge:.0f} FLOP/byte",
+                                 line=dict(color=_COLORS[1], dash="dot")))
     fig.update_layout(
         title=f"Decode step of one head (p = {headdim}, n = {d_state}, state in {8 * state_bytes}-bit): "
               "FLOPs per byte against MIMO rank",
