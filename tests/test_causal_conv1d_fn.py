@@ -227,6 +227,17 @@ def test_refusals():
             causal_conv1d_fn(**kwargs)
 
 
+def test_refuses_more_positions_than_the_backward_sums_launch():
+    """b · l past 32 · 65,535 (CUDA's cap on grid axis 1, 32 partials a program) is refused when weight needs a
+    gradient, before any computation; without one the forward runs."""
+    x = torch.zeros(1, 1, 32 * 65_535 + 1, device=KERNEL_DEVICE)
+    weight = torch.ones(1, 2, device=KERNEL_DEVICE)
+    with pytest.raises(ValueError, match=r"l \(x.shape\[2\]\) = 2,097,121 is too large"):
+        causal_conv1d_fn(x, weight.requires_grad_())
+    with torch.no_grad():
+        assert causal_conv1d_fn(x, weight).shape == x.shape
+
+
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -191,6 +191,9 @@ def test_refusals():
         (args(), kw(B_proj_bias=t["B_proj_bias"][:2]), {}, ValueError, "B_proj_bias must have shape"),
         (args(), kw(), dict(dt_rms_weight=torch.ones(3)), ValueError, "dt_rms_weight must have shape"),
         (args(xz=t["xz"].double()), kw(), {}, TypeError, "xz must have dtype"),
+        (args(), kw(D=t["D"][:-1]), {}, ValueError, "D must have shape"),
+        (args(), kw(delta_bias=t["delta_bias"][:-1]), {}, ValueError, "delta_bias must have shape"),
+        (args(conv1d_bias=t["conv1d_bias"][:-1]), kw(), {}, ValueError, "conv1d_bias must have shape"),
     ]
     for a, k, extra, error, match in cases:
         with pytest.raises(error, match=match):

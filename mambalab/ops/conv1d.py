@@ -121,12 +121,13 @@ class CausalConv1dFn(torch.autograd.Function):
             dx = dxp[..., width - 1:].to(x.dtype)
             if initial_states is not None:
                 dinit = dxp[..., :width - 1].to(initial_states.dtype)
+        # dweight and dbias: one partial (d,) per position, (b·l, d), summed in the order sum_partials fixes
+        over_positions = lambda t: sum_partials(t.transpose(1, 2).reshape(b * l, d), dim=0)   # (b, d, l) -> (d,)
         if ctx.needs_input_grad[1]:
-            taps = torch.stack([_tap(xp, sp, seq_idx, k, l) * dpre for k in range(width)], dim=-1)  # (b, d, l, w)
-            partials = taps.permute(0, 2, 1, 3).reshape(b * l, d * width)  # one partial per position
-            dweight = sum_partials(partials, dim=0).view(d, width).to(weight.dtype)
+            dweight = torch.stack([over_positions(_tap(xp, sp, seq_idx, k, l) * dpre) for k in range(width)],
+                                  dim=1).to(weight.dtype)                                   # (d, width)
         if bias is not None and ctx.needs_input_grad[2]:
-            dbias = sum_partials(dpre.transpose(1, 2).reshape(b * l, d), dim=0).to(bias.dtype)
+            dbias = over_positions(dpre).to(bias.dtype)
         return dx, dweight, dbias, None, dinit, None, None
 
 
@@ -174,6 +175,10 @@ def _check(x, weight, bias, seq_idx, initial_states, return_final_states, final_
     dev = validate.same_device(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states,
                                final_states_out=final_states_out if return_final_states else None)
     _device.ensure_kernel_device(dev)
+    if validate.records_autograd(weight, bias):   # the backward's sums fold 32 of the b·l partials a program
+        validate.launch_grid("causal_conv1d_fn's backward sums of dweight and dbias", (1, -(-b * l // 32)),
+                             (("b (x.shape[0])", b), ("l (x.shape[2])", l)),
+                             "; split the batch, or the sequence (passing the final states on as initial_states)")
 
 
 def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -197,7 +202,8 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
         and through the final states.
 
     Raises (before any computation), naming the argument: ValueError for an unknown activation, wrong shapes,
-    a width outside 2 … 4, ``seq_idx`` together with ``initial_states`` or ``return_final_states`` (both of
+    a width outside 2 … 4, more than 2,097,120 positions b · l when weight or bias needs a gradient (the grid of
+    the backward's sums), ``seq_idx`` together with ``initial_states`` or ``return_final_states`` (both of
     which causal_conv1d refuses too); TypeError for wrong dtypes (float64, seq_idx not int32, bias not in
     weight's dtype, initial_states / final_states_out not in x's). causal_conv1d's memory-layout conditions
     (channel-last x for seq_idx and the states, d a multiple of 8) are not imposed: any layout is computed.

@@ -42,8 +42,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _check(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out_proj_weight, out_proj_bias,
            A, B, C, D, delta_bias, B_proj_bias, C_proj_bias, checkpoint_lvl, b_rms_weight, c_rms_weight,
            dt_rms_weight):
-    """Shapes of the projections and the conv, checked before any computation (the conv and the scan check
-    the rest: dtypes, devices, A, D, delta_bias, given B / C). Returns (d, r, n)."""
+    """Shapes of the projections, the conv and the per-channel vectors, checked before any computation (the
+    conv and the scan check the rest: devices, a given B / C). Returns (d, r, n)."""
     if checkpoint_lvl not in (0, 1):
         raise ValueError(f"checkpoint_lvl must be 0 or 1; got {checkpoint_lvl!r}")
     validate.tensor("xz", xz)
@@ -84,9 +84,11 @@ def _check(xz, conv1d_weight, conv1d_bias, x_proj_weight, delta_proj_weight, out
                              "is given")
         validate.tensor(name, t)
         validate.shape(name, t, (n,), "(n,)")
-    if dt_rms_weight is not None:
-        validate.tensor("dt_rms_weight", dt_rms_weight)
-        validate.shape("dt_rms_weight", dt_rms_weight, (d,), "(d,)")
+    for name, t in (("dt_rms_weight", dt_rms_weight), ("D", D), ("delta_bias", delta_bias),
+                    ("conv1d_bias", conv1d_bias)):
+        if t is not None:
+            validate.tensor(name, t)
+            validate.shape(name, t, (d,), "(d,)")
     return d, r, n
 
 
