@@ -13,7 +13,7 @@ import mambalab  # noqa: F401  (before triton)
 import triton
 from mambalab import oracle
 from mambalab.determinism import ARCH_PROFILES, emulate, fingerprint, shuffled_program_order
-from mambalab.determinism.experiments import gradient_variation, ssd_gradients, ssd_inputs
+from mambalab.determinism.experiments import gradient_variation, mamba_ssm_norm_split, ssd_gradients, ssd_inputs
 from mambalab.exercises import ch04, ch05, ch06
 from mambalab.modules.lm import LMConfig
 from mambalab.viz.determinism_plots import source_excerpt
@@ -85,6 +85,31 @@ def test_norm_row_blocks_accepts_mamba_ssm_own_lines(profile):
     assert ns["_dw"].shape == (reference[0], d)
     assert ch04.norm_row_blocks(reference, profile=profile, rows=rows, d=d) is True
     assert ch04.norm_row_blocks((reference[0], reference[1] + 1), profile=profile, rows=rows, d=d) is False
+
+
+@pytest.mark.parametrize("profile, programs, per, full, partial, empty",
+                         [("rtxa6000", 84, 4, 64, 0, 20), ("l4", 58, 5, 51, 1, 6), ("a100", 108, 3, 85, 1, 22)])
+def test_norm_programs_and_their_rows_follow_mamba_ssm_kernel(profile, programs, per, full, partial, empty, capsys):
+    # 256 rows of 1024: nrow_groups and rows_per_program from the launcher's lines, then each program's rows from
+    # the kernel's own row_start / row_end lines, executed for every program id
+    rows, d = 256, 1024
+    gated = oracle.module("ops.triton.layernorm_gated")
+    ns = _run_mamba_ssm_lines(gated._layer_norm_bwd, "MAX_FUSED_SIZE =", "rows_per_program =", profile,
+                              x=torch.empty(rows, d), weight=torch.empty(d), bias=None, group_size=d, ngroups=1,
+                              M=rows, N=d)
+    assert (ns["nrow_groups"], ns["rows_per_program"]) == (programs, per)
+    assert mamba_ssm_norm_split(rows, d, ARCH_PROFILES[profile].sm_count) == (programs, per)
+    start_line = source_excerpt(gated._layer_norm_bwd_kernel, "row_start =").code
+    end_line = source_excerpt(gated._layer_norm_bwd_kernel, "row_end =").code
+    taken = []
+    for pid in range(ns["nrow_groups"]):
+        env = dict(row_block_id=pid, rows_per_program=ns["rows_per_program"], M=rows, min=min)
+        exec(start_line.strip() + "\n" + end_line.strip(), env)   # noqa: S102 - mamba-ssm's two lines
+        taken.append(max(0, env["row_end"] - env["row_start"]))
+    assert sum(taken) == rows
+    assert (taken.count(per), sum(0 < t < per for t in taken), taken.count(0)) == (full, partial, empty)
+    assert ch04.norm_row_blocks((programs, per), profile=profile, rows=rows, d=d) is True
+    assert f"{full} take {per}, {partial} fewer, {empty} none" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------------- chapter 05

@@ -4,8 +4,9 @@
   run to run, for g groups of B/C over h heads? (Read where the backward kernels call ``tl.atomic_add``.)
 * :func:`head_split`: mamba-ssm's dB/dC backward on a given GPU: how many heads does each program sum, and
   how many partials does the final ``sum`` add?
-* :func:`norm_row_blocks`: mamba-ssm's gated RMSNorm backward on a given GPU: how many row blocks (weight
-  gradient partials) does it use, and how many rows go into each?
+* :func:`norm_row_blocks`: mamba-ssm's gated RMSNorm backward on a given GPU: how many programs (weight
+  gradient partials, ``nrow_groups``) does it launch, and how many rows does each take (``rows_per_program``)?
+  Some programs may get fewer rows or none; the checker says how many.
 
 Each checker prints one line and returns True or False; it never raises on a wrong answer, and an answer
 left as ``None`` or ``...`` reads "not attempted yet".
@@ -80,7 +81,8 @@ def head_split(answer, profile: str = "rtxa6000", b: int = 4, l: int = 4096, h: 
 
 def norm_row_blocks(answer, profile: str = "rtxa6000", rows: int = 256, d: int = 1024,
                     group_size: int | None = None) -> bool:
-    """``answer``: (row blocks, rows per block) of mamba-ssm's gated RMSNorm backward on ``profile``."""
+    """``answer``: (programs, rows per program) of mamba-ssm's gated RMSNorm backward on ``profile``
+    (``nrow_groups`` and ``rows_per_program`` in ``layernorm_gated._layer_norm_bwd``)."""
     from mambalab.determinism import ARCH_PROFILES
     from mambalab.determinism.experiments import mamba_ssm_norm_split
 
@@ -88,9 +90,13 @@ def norm_row_blocks(answer, profile: str = "rtxa6000", rows: int = 256, d: int =
         return False
     got = _pair(answer)
     if got is None:
-        return verdict(False, "", f"expected a pair (row blocks, rows per block); got {answer!r}")
+        return verdict(False, "", f"expected a pair (programs, rows per program); got {answer!r}")
     sm = ARCH_PROFILES[profile].sm_count
     want = mamba_ssm_norm_split(rows, d, sm, kind="gated", group_size=group_size)
-    return verdict(got == want, f"right: {sm} SMs give {want[0]} row blocks of {want[1]} rows",
+    programs, per = want
+    taken = [max(0, min(per, rows - i * per)) for i in range(programs)]     # row_end - row_start, per program
+    full, empty = taken.count(per), taken.count(0)
+    return verdict(got == want, f"right: {sm} SMs give {programs} programs of {per} rows: {full} take {per}, "
+                                f"{programs - full - empty} fewer, {empty} none",
                     f"{profile} ({sm} SMs): expected {want}, got {got} "
-                    f"(off by {got[0] - want[0]:+d} blocks, {got[1] - want[1]:+d} rows)")
+                    f"(off by {got[0] - want[0]:+d} programs, {got[1] - want[1]:+d} rows)")
