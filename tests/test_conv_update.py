@@ -74,6 +74,7 @@ def test_bad_input_is_named():
     assert torch.equal(state, before)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_bf16_at_decode_size():
     """mamba2-2.7b's conv (d_ssm + 2 n = 5,376 channels, width 4) at batch 64 in bf16: the window moved exactly,

@@ -91,6 +91,7 @@ def test_fingerprint_rejects_what_it_cannot_hash():
         fingerprint(torch.eye(3).to_sparse())
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_fingerprint_is_device_independent():
     t = torch.randn(17, 5, generator=torch.Generator().manual_seed(3)).bfloat16()

@@ -210,6 +210,7 @@ def _mamba_ssm_split(b, l, h, g, q, sm_count):
     return max(min(-(-b * c * h // sm_count), h // g), 1)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_deterministic_same_bits_on_every_profile():
     b, l, h, p, g, n = 2, 1024, 8, 64, 1, 128
@@ -227,6 +228,7 @@ def test_gpu_deterministic_same_bits_on_every_profile():
         assert len({r[name] for r in runs.values()}) == 1, (name, {k: r[name] for k, r in runs.items()})
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_mamba_ssm_deterministic_mode_depends_on_the_sm_count_and_mambalab_does_not():
     """Issue 5's shape in bf16, inside deterministic() (mamba-ssm's deterministic mode, autotuning pinned so

@@ -262,6 +262,7 @@ def test_sum_order_explorer_starts_at_its_defaults():
 
 
 # ------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_atomic_sum_recovers_the_hardware_order():
     x = torch.randn(1 << 16, device="cuda")
@@ -270,6 +271,7 @@ def test_gpu_atomic_sum_recovers_the_hardware_order():
         assert ex.fold_in_order(run.partials, run.order).view(torch.int32) == run.total.view(torch.int32)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_deterministic_fingerprints_are_one_value():
     row0 = ex.ssd_inputs(1, 512, 8, 64, 1, 64, dtype=torch.bfloat16, device="cuda")

@@ -114,6 +114,7 @@ def test_bad_arguments_are_named():
         generate(model, PROMPT.float(), 2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
 @pytest.mark.parametrize("name", ["mamba1", "mamba2", "mamba3"])
 def test_cuda_graph_decoding_emits_the_eager_tokens(name):

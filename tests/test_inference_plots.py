@@ -37,6 +37,7 @@ def test_measured_caches_match_the_formulas_and_only_the_kv_cache_grows():
     assert fig.data[1].y[1] == pytest.approx(4 * fig.data[1].y[0])
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="max_memory_allocated needs a CUDA GPU")
 def test_measured_on_a_gpu_with_max_memory_allocated():
     rows = memory.measure_cache_bytes(SMALL, [65536], dtype=torch.bfloat16, device="cuda")

@@ -448,6 +448,7 @@ def test_nan_or_infinite_dt_is_named_before_launch(bad):
         mamba3_step(state, **{**tok, "dt": dt[:, 5]})
 
 # ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_bf16_matches_reference_and_repeats():
     """bf16 at a realistic head size against the fp64 reference, MIMO r = 4; the backward repeats bitwise."""
@@ -467,6 +468,7 @@ def test_gpu_bf16_matches_reference_and_repeats():
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("r", [1, 4], ids=["siso", "mimo4"])
 def test_gpu_matches_mamba_ssm(r):

@@ -220,6 +220,7 @@ def test_bad_inputs_fail_clearly():
         m.step(inputs(l=2), m.zero_state(2))
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype, is_mimo, is_outproj_norm",
                          [(torch.float32, False, False), (torch.bfloat16, False, False), (torch.bfloat16, True, False),

@@ -42,6 +42,7 @@ def test_rows_with_a_stride():
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_module_under_no_grad_takes_the_kernel(dtype, monkeypatch):
@@ -81,7 +82,7 @@ def test_add_norm_refuses_mismatched_shapes():
         add_norm(norm, torch.zeros(2, 8), torch.zeros(1, 2, 8))
 
 
-@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=requires_gpu)])
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=(requires_gpu, pytest.mark.gpu))])
 @pytest.mark.parametrize("grad", [False, True])
 def test_add_norm_keeps_an_fp32_stream_over_a_bf16_update(dev, grad):
     """Under bf16 autocast a model's stream is fp32 (the embedding) and a mixer's output bf16: s is their fp32
@@ -100,6 +101,7 @@ def test_add_norm_keeps_an_fp32_stream_over_a_bf16_update(dev, grad):
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("norm_cls", [GatedRMSNorm, GatedLayerNorm])
 def test_gpu_add_norm_under_no_grad_is_one_kernel_with_pytorchs_sum(norm_cls, monkeypatch):

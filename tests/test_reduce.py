@@ -65,6 +65,7 @@ def test_dims_dtypes_and_empty_sizes():
     assert sum_partials(torch.empty(0, 5, 4, device=KERNEL_DEVICE), dim=1).shape == (0, 4)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_more_blocks_of_inner_than_a_cuda_grid_axis_holds():
     """CUDA caps a grid's second and third axes at 65,535 programs. The rotary backward folds dθ partials

@@ -223,6 +223,7 @@ def test_time_constant_B_or_C_matches_mamba_ssm_reference(constant):
         assert grads[k].shape == inputs[k].shape
 
 # ---------------------------------------------------------------- GPU only
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_on_gpu(dtype):
@@ -239,6 +240,7 @@ def test_half_precision_on_gpu(dtype):
         torch.testing.assert_close(grads[k].float(), ref_grads[k], atol=tol * scale, rtol=tol, msg=k)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_matches_mamba_ssm_cuda_kernel():
     if not oracle.cuda_extension_available():

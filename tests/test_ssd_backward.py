@@ -290,6 +290,7 @@ def test_kernel_backward_rejects_bad_reduction():
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 5e-2)])  # fp32: tf32 dots on a GPU
 @pytest.mark.parametrize("q", [64, 256])
@@ -307,6 +308,7 @@ def test_gpu_gradients_match_reference(dtype, atol, q, reduction):
             assert_close(got[k], want[k], f"{k} g={g}", atol=atol, rtol=atol)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_deterministic_is_bitwise_reproducible_and_batch_invariant():
     full = make_inputs(4, 1000, 8, 64, 1, 128, D="h", dtype=torch.bfloat16)
@@ -322,6 +324,7 @@ def test_gpu_deterministic_is_bitwise_reproducible_and_batch_invariant():
         assert torch.equal(first[k][:1], alone[k]), k
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_gradients_match_mamba_ssm():
     """mamba-ssm's own mamba_chunk_scan_combined backward on the same inputs, bf16. Its autotuners try their

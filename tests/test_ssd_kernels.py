@@ -415,6 +415,7 @@ def test_packed_sequence_arguments_at_their_defaults_change_nothing():
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 3e-2), (torch.float16, 5e-3)])  # fp32: tf32 dots
 @pytest.mark.parametrize("q", [64, 128, 256])
@@ -431,6 +432,7 @@ def test_gpu_forward_matches_ssd_ref(dtype, atol, q):
         assert_close(final, want_final.cpu(), f"final g={g}", atol=atol, rtol=atol)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_matches_mamba_ssm_triton_kernel():
     """mamba-ssm's own Triton forward (mamba_chunk_scan_combined) on the same inputs, bf16; its autotuners try

@@ -344,6 +344,7 @@ def test_mamba2_names_bad_packed_arguments():
 
 
 # ---------------------------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("reduction", ["atomic", "deterministic"])
 def test_packed_matches_mamba_ssm_on_gpu(reduction):

@@ -125,6 +125,7 @@ def test_stored_states_are_the_dots_dtype():
     assert not torch.equal(da16, da)                          # the rounding reaches da, and only da
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 3e-3), (torch.bfloat16, 3e-2)])
 def test_gpu_sweep_matches_the_split_kernels(dtype, atol):

@@ -135,6 +135,7 @@ def test_bad_input_is_named():
     assert torch.equal(state, inputs["state"])   # nothing was written by a refused call
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_decode_size_matches_reference_and_mamba_ssm(dtype):
@@ -153,6 +154,7 @@ def test_gpu_decode_size_matches_reference_and_mamba_ssm(dtype):
     torch.testing.assert_close(state, theirs_state, **tol)
 
 
+@pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layer", ["Mamba1", "Mamba2"])
 def test_gpu_block_step_kernels_match_the_pytorch_step(layer):

@@ -152,6 +152,7 @@ def test_bf16_autocast_over_fp32_master_parameters_trains(tmp_path):
     assert len(rows) == 3 and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
 
 
+@pytest.mark.gpu
 @requires_gpu
 def test_gpu_training_step_with_kernels_and_bf16_autocast(tmp_path):
     # vocab 128: MQAR at seq_len 128 asks 32 pairs of distinct keys, (vocab - 2) / 2 >= 32
