@@ -74,7 +74,8 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
                 ngroups: int | None = None) -> TileConfig:
     """The documented rule, pinned per dtype (``dtype``: what the kernels read, x's; fp32 on the CPU) and read
     from the shape alone (``ngroups``: g, the groups sharing B and C; None keeps C Bᵀ in each head's programs,
-    as Mamba-3's scan does, whose same-step weights were not timed with it):
+    as Mamba-3's scan does, whose same-step weights were not timed with it). Each choice's figure, on an H200
+    at b4 l4096 h32 p64 n128 q256 unless said, is in benchmarks/results/README.md with its JSON file:
 
     * BLOCK_T  = min(64, q)                     chunk positions at a time, so no tile is q × q for large q
     * BLOCK_H  = min(16, next_pow2(h))          heads per chunk-cumsum program (a (BLOCK_H, q) tile)
@@ -82,66 +83,28 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     * BLOCK_N  = next_pow2(n), >= 16            the whole state, so a chunk's state is one tile
     * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
-    * warps: 4 a program, except bf16/fp16 forward and other backward kernels with a large state tile
-      (BLOCK_P · BLOCK_N >= 64 · 64): 8. With 4 warps the bf16 forward took 0.49 rather than 0.45 ms (it
-      uses 221 registers a thread there against 121 with 8, no spills either way: benchmarks/ptxas_ssd.py
-      for sm_90); in fp32 (TF32 dots) 4 warps were faster (0.96 against 1.19 ms forward).
-    * chunk-scan backward: min(64, q) positions a program and 4 warps for bf16/fp16; min(32, q) and 4 warps
-      for fp32 (whose 64-position tiles need 2 × the shared memory and were slower).
-    * fp32 only: the chunk states sum min(32, q) positions a step with 2 warps, and the chunk-scan forward
-      runs its loops unpipelined (num_stages 1; Triton's default, 3, elsewhere). Kernels alone at the shape
-      below (benchmarks/results/2026-12-03_h200_ssd_fp32_kernel_sweep.json; bench_ssd.py --sweep forward
-      backward): chunk states 0.098 ms against 0.334 at (64 positions, 4 warps), 0.095 at (16, 2), 0.319 at
-      (32, 1); chunk scan 0.499 ms against 0.577 at 3 stages, 0.578 at 2, 0.913 at 4. The fp32 chunk-scan
-      backward moved by 3 % at most with its stages (2.62-2.68 ms at 1-3) and is left at the default.
-
-    Measured on an H200 (benchmarks/results/2026-11-30_h200_ssd_tile_sweep_vs_mamba_deterministic.json; b=4, l=4096, h=32,
-    p=64, n=128, q=256, deterministic mode; kernel times without the op's Python): the backward took
-    1.63 ms in bf16 at (64 positions, 4 warps) against 2.77 ms at the previous rule's (32, 8), 2.11 at
-    (64, 8), 1.80 at (32, 4), 2.63 at (16, 4); in fp32 3.24 ms at (32, 4), 4.69 at (32, 8), 4.89 at (64, 4).
-    Register use is at or near 255 a thread in every variant, so an SM runs 8 warps either way; what
-    changes is how many positions each program's dots cover. The chosen bf16 backward spills (68 B in the
-    rows kernel, 828 B in the columns kernel at g = 1, benchmarks/ptxas_ssd.py, which specialises g = 1 to
-    a constant as a launch does) and is still the fastest.
-
-    * C Bᵀ (``precompute_cb``): in fp32 with at least 8 heads a group (h / g >= 8), one launch per group
-      (:mod:`mambalab.kernels.ssd.chunk_cb`) forms it and the chunk scan's forward and backward read it;
-      otherwise each head's programs form it themselves. At b = 4, l = 4096, h = 32, g = 1, p = 64, n = 128,
-      q = 256 it took the fp32 chunk scan from 0.502 to 0.471 ms forward and from 2.70 to 2.34 ms backward,
-      its own launches counted in both (benchmarks/results/2026-12-04_h200_ssd_kernel_sweep.json); for sm_90
-      it takes the fp32 chunk-scan forward from 244 to 180 registers a thread and the backward's spills from
-      296 and 48 B to 0 and 4 (benchmarks/ptxas_ssd.py). In bf16 it made the backward slower (2.80 ms against
-      1.41; its spills grow, rows 116 B against 60, columns 1,060 against 812), so 16-bit inputs keep it off.
-      It costs b · l · g · q · 4 bytes for the chunks' matrices and saves forming each one h / g - 1 times:
-      with few heads a group there is little to save (at h / g = 1, only writes to add), hence the 8; only
-      h / g = 32 was timed.
+    * warps: 4 a program; 8 for the bf16/fp16 forward and other backward kernels with a state tile
+      BLOCK_P · BLOCK_N >= 64 · 64 (bf16 forward 0.45 ms against 0.49 at 4 warps; fp32 prefers 4).
+    * chunk-scan backward: min(64, q) positions and 4 warps for bf16/fp16, min(32, q) and 4 warps for fp32
+      (1.63 and 3.24 ms, the fastest: 2026-11-30_h200_ssd_tile_sweep_vs_mamba_deterministic.json).
+    * fp32 only: chunk states sum min(32, q) positions a step with 2 warps, the chunk-scan forward runs
+      unpipelined (num_stages 1): 0.098 and 0.499 ms (2026-12-03_h200_ssd_fp32_kernel_sweep.json).
+    * C Bᵀ (``precompute_cb``) formed once per group by :mod:`mambalab.kernels.ssd.chunk_cb` for fp32 with
+      h / g >= 8, read by the chunk scan's forward and backward; otherwise each head's programs form it. It
+      costs b · l · g · q · 4 bytes and saves forming each matrix h / g - 1 times (only h / g = 32 timed):
+      fp32 backward 2.34 ms against 2.70; bf16 2.80 against 1.41, so 16-bit inputs keep it off
+      (2026-12-04_h200_ssd_kernel_sweep.json).
     * the sweeps (:mod:`mambalab.kernels.ssd.state_sweep`; one program per batch row, head and block of head
       dimensions, walking the chunks): backward BLOCK_P = min(32, BLOCK_P), the tile rule's warps; forward
-      the tile rule's BLOCK_P and warps (8 for 16-bit inputs and a state of 64 × 64 or more). Mamba-3's scan takes
-      the forward sweep for 16-bit inputs and chunks of at most 64 positions, one BLOCK_T block
-      (``sweep_forward``): in fp32, and for longer chunks, whose blocks the sweep walks one after another, the
-      split steps were faster.
-
-    Measured on an H200 (benchmarks/results/2026-12-01_h200_ssd_state_sweep_ab.json; b=4, l=4096,
-    h=32, p=64, n=128). Mamba-3 forward+backward as CUDA graphs, bf16: SISO (q = 64) 2.54 ms with the
-    sweeps against 2.75 with the split steps, MIMO r = 4 (q = 64 positions) 10.15 against 10.99; with the
-    forward's 4 warps 2.50 and 9.97, with the backward's 32 head dimensions 2.52 and 10.09. The kernels alone:
-    backward sweep 0.107 ms (32 dims) / 0.121 (64) against 0.142 for the split steps in bf16 at q = 256,
-    0.190 / 0.420 against 0.417 in fp32; forward sweep 0.27 against 0.36 ms in bf16 at q = 64 but 0.62
-    against 0.38 at q = 256, and 0.92-1.20 against 0.64 in fp32 at q = 64 (so Mamba-2's forward, q = 256 by
-    default, keeps the split steps). With the sweep at every q, MIMO r = 4 at chunk 32 (q = 128) took
-    11.54 ms and at chunk 64 (q = 256) 12.86, against 10.77 and 11.79 with the split steps in one process.
-    With Mamba-3's same-step weights (:func:`mambalab.kernels.ssd.chunk_scan._intra_weights`) the bf16
-    forward sweep runs at 8 warps: MIMO r = 4 forward+backward 7.30 ms against 7.89 at 4 warps, SISO 2.02
-    against 2.20 (H200, benchmarks/results/2026-12-01_h200_ssd_same_step_forms_ab.json). sm_90
-    (benchmarks/ptxas_ssd.py): the backward sweep at 32 head dimensions uses 128
-    registers (bf16, 8 warps) or 200 (fp32, 4 warps), no spill.
+      the tile rule's BLOCK_P and warps. Mamba-3's scan takes the forward sweep for 16-bit inputs and chunks
+      of at most 64 positions, one BLOCK_T block (``sweep_forward``); fp32 and longer chunks keep the split
+      steps (Mamba-3 SISO 2.54 ms against 2.75: 2026-12-01_h200_ssd_state_sweep_ab.json).
 
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
     over programs are reductions (atomic or deterministic). The rule reads the shape and the dtype, never
     the SM count, the batch size, the sequence length or an autotuner: tuning it on a GPU means changing
-    this function (and recording why here), never adding an autotuner.
+    this function (its figure in the results log), never adding an autotuner.
     """
     block_n = max(MIN_DOT, triton.next_power_of_2(n))
     block_p = max(MIN_DOT, min(64, triton.next_power_of_2(p)))
