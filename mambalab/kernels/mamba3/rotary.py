@@ -25,39 +25,21 @@ The outputs are written in the rank-expanded layout the SSD kernels read: (b, l,
 
 Tile rule (shape only): each of q and k is a tile of ROWS = 32 rows of n, BLOCK_R = next_pow2(r) ranks by
 BLOCK_T = 32 / BLOCK_R positions of the flattened (b·l) axis (at least 1), with BLOCK_N2 = next_pow2(n / 2)
-pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers (a
-pair-strided read took 1.1 ms per call at b4 l4096 h32 n128 in an H200 profile). Forward programs
-are (position block, head) with every rank in one tile, so that cos, sin serve every rank. Backward
-programs are (position block, group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles
-for q and k (and q, k themselves) across the group's heads, in r = 1's tiles (32 positions, the row split
-by :func:`turned_and_plain`), and writes dθ's term for its rank; the r terms are folded by
-:func:`~mambalab.kernels.reduce.sum_partials` (a fixed order). On an H200 (b4 l4096 h32 g1 n128 a32, bf16,
-CUDA graphs, 2026-12-01) a program per rank took 1.31 ms at r = 4 against 1.84 with every rank in one tile of
-8 positions (benchmarks/results/README.md). The one-tile
-kernel (``RANK_PROGRAMS = False``) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8).
-Warps: the forward's by rank (:func:`fwd_num_warps`), 4 for the backward,
-timed on an H200 (b4 l4096 h32 g1 n128 a32, one process, benchmarks/results/README.md): the backward took
-0.595 ms at 4 warps against 0.783 at 8 (r = 1) and 2.25 against 4.64 ms (r = 4), although at 4 warps it
-spills (below) and at 8 it does not (one 8-warp program fills an SM's registers, so only 8 warps are resident:
-too few to hide the loads' latency); the forward 0.133 ms at 8 warps against 0.174 at 4 (r = 1; r = 4: 0.651
-against 0.599). Splitting a group's heads over several backward programs does not help (0.618 ms at r = 1):
-residency, not the program count, limits it. At r = 1 the backward's tiles hold a row's turned pairs alone
-(BLOCK_N2 = next_pow2(a), with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and
-there is no dθ, in tiles of its own (:func:`turned_and_plain`): no spills, 0.402 ms against 0.539.
-Registers per thread and bytes spilled for sm_90 at n = 128 (bf16 q, k; fp32 dq̂, dk̂), the figures of
-benchmarks/ptxas_ssd.py --op mamba3 --rank 1 / --rank 4 (the other rows: the same launches, warps or BLOCK_T
-changed):
-
-                  r = 1, BLOCK_T = 32       r = 4, BLOCK_T = 8
-    forward       4 warps 116, 0 B          4 warps  96, 0 B
-                  8 warps  62, 0 B          8 warps  59, 0 B
-    backward      4 warps 255, 84 B         4 warps 255, 264 B
-                  8 warps 184, 0 B          8 warps 194, 0 B
-      split at a  4 warps 255, 0 B          4 warps 255, 0 B; 8 warps 167, 0 B
-
-Smaller tiles cost fewer registers (r = 1, BLOCK_T = 16: 168 at 4 warps, 108 at 8) and twice the partials.
-Register figures are from the compiler; the times are H200 measurements of 2026-11-30 and 2026-12-01
-(benchmarks/results/README.md).
+pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers,
+rather than read pair by pair (1.1 ms a call in an H200 profile). Forward programs are (position block,
+head) with every rank in one tile, so that cos, sin serve every rank. Backward programs are (position block,
+group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles for q and k (and q, k themselves)
+across the group's heads, in r = 1's tiles (32 positions, the row split by :func:`turned_and_plain`), and
+writes dθ's term for its rank; the r terms are folded by :func:`~mambalab.kernels.reduce.sum_partials` (a
+fixed order): 1.31 ms at r = 4 against 1.84 for every rank in one tile of 8 positions. The one-tile kernel
+(``RANK_PROGRAMS = False``) holds every rank at once, so its tile covers fewer positions as r grows (r = 4: 8).
+Warps: the forward's by rank (:func:`fwd_num_warps`); 4 for the backward, which spills there and not at 8, yet
+is faster (0.595 ms against 0.783 at r = 1): one 8-warp program fills an SM's registers, too few warps to hide
+the loads' latency. At r = 1 the backward's tiles hold a row's turned pairs alone (BLOCK_N2 = next_pow2(a),
+with rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and there is no dθ, in tiles of
+their own (:func:`turned_and_plain`). These figures (H200, b4 l4096 h32 g1 n128 a32, bf16), the others timed
+and the registers and spills of each variant are in benchmarks/results/README.md (2026-12-01, the rotary
+kernel's tiles).
 
 Shapes: q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a) fp32
 -> q̂, k̂ (b, l, r, h, n).
@@ -72,21 +54,19 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-BWD_NUM_WARPS = 4   # backward: faster on an H200 than 8 although it spills (the module docstring)
+BWD_NUM_WARPS = 4   # backward: 0.595 ms against 0.783 at 8 warps, though it spills (results README, 2026-12-01)
 
 
 def bwd_loop_stages(r):
     """Software-pipelining stages of the backward's loop over a group's heads (``tl.range``'s num_stages: the
-    loads of up to that many heads in flight; 1: none). On an H200 (b4 l4096 h32 g1 n128, 2026-11-30) the
-    r = 1 kernel takes 0.452 ms with 3 stages against 0.513 with 1; at r = 4, 1.96 ms with 1 against 2.13-3.38
-    with 2-4, where the larger tiles leave no room."""
+    loads of up to that many heads in flight; 1: none): 3 at r = 1, 1 where r > 1's larger tiles leave no room
+    (r = 1: 0.452 ms against 0.513, 2026-11-30_h200_mamba3_loop_stages_ab.json)."""
     return 3 if r == 1 else 1
 
 
 def fwd_num_warps(r):
-    """Warps of the forward: 8 at r = 1, 4 from r = 4 on. H200, b4 l4096 h32 n128, bf16: at r = 1 the forward
-    took 0.133 ms at 8 warps against 0.174 at 4; at r = 4, 0.651 against 0.599 (2026-11-30). r = 2 keeps 8,
-    r = 8 takes 4: neither is timed."""
+    """Warps of the forward: 8 at r = 1 and 2, 4 from r = 4 on; r = 2 and 8 untimed (r = 1: 0.133 ms against
+    0.174 at 4 warps; results README, 2026-12-01, the rotary kernel's tiles)."""
     return 8 if r <= 2 else 4
 
 
@@ -99,9 +79,8 @@ def turned_and_plain(n, a, r):
     """The backward's split of a row for tiles of r = 1 rank (SISO, or a program per rank): BLOCK_N2 =
     next_pow2(a) pairs (at least 1) in the turned tile, the rest (PLAIN = next_pow2 of the elements left) in a
     tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0).
-    On an H200 (b4 l4096 h32 g1 n128 a32, CUDA graphs, 2026-12-01) the split kernel takes 0.402 ms at r = 1
-    against 0.539 for one tile (at sm_90 it spills nothing, one tile 84 B); at r = 4, 3.47 ms against 1.87,
-    although one tile spills there and the split does not: why is not known."""
+    At r = 1 the split takes 0.402 ms against 0.539 for one tile (results README, 2026-12-01, the rotary
+    kernel's tiles)."""
     pairs = triton.next_power_of_2(max(a, 1))
     if r > 1 or 2 * pairs >= n:
         return dict(BLOCK_N2=row_pairs(n), PLAIN=0)
