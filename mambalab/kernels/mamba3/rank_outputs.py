@@ -15,17 +15,13 @@ so one pass reads y and z and writes out, where PyTorch would make a pass per op
 The sums over positions for dW^O and dW^Z are per-program partials folded by
 :func:`mambalab.kernels.reduce.sum_partials` (a fixed order, no atomics); everything else stays inside a
 program. The within-step correction (M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r) is not formed here but in the
-scan's same-step block, where its R² sums per rank cost nothing extra: formed per tile here, they doubled this
-stage's backward (1.02 ms against 0.52 in H200 profiles of MIMO r = 4; benchmarks/results/README.md,
-2026-12-01).
+scan's same-step block, where its R² sums per rank cost nothing extra; formed per tile here, they doubled this
+stage's backward (results log, 2026-12-01).
 
 Tile rule (shape only): programs are (block of BLOCK_T = 32 positions of the flattened b·l axis, head), each
 with the whole head dimension (BLOCK_P = next_pow2(p)). Warps: the forward 8 from r = 4 on, else 4; the
-backward 4 up to r = 4, 8 at r = 8 (at r = 4 the backward took 1.26 ms at 4 warps against 2.04 at 8, and BLOCK_T
-16 or 64 were no faster, on an H200 with the correction then inside this stage;
-benchmarks/results/2026-11-30_h200_mamba3_output_tiles_sweep.json). The loop over ranks
-is unrolled, so registers grow with r; at sm_90, p = 64, r = 4: forward 74 registers a thread, backward 168,
-no spills (benchmarks/ptxas_ssd.py --op mamba3 --rank 4).
+backward 4 up to r = 4, 8 at r = 8 (2026-11-30_h200_mamba3_output_tiles_sweep.json). The loop over ranks is
+unrolled, so registers grow with r (their count at r = 4: the results log, 2026-11-30).
 
 Shapes: y (T, r, h, p) (the rank-expanded scan's output, T = b·l); z, out (T, h, p); W^Z, W^O (h, r, p) fp32.
 """

@@ -12,9 +12,8 @@ this kernel is checked against):
 Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
 odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise. Rows are read and written whole (contiguous) and
 split into their pairs in registers (``tl.reshape`` + ``tl.split``, ``tl.join`` back), as the rotary kernels do,
-rather than read at a stride of two: 10.0 µs against 41.6 strided at batch 16, 32 heads, r = 1 on an H200 (CUDA
-graphs; benchmarks/results/2026-11-30_h200_mamba3_step_rows_ab.json). The two layouts give the same state; the
-outputs differ in the order of the sum over n (0.01 % of them by one bf16 step).
+rather than read at a stride of two (10.0 µs against 41.6, 2026-11-30_h200_mamba3_step_rows_ab.json). The two
+layouts give the same state; the outputs differ in the order of the sum over n (0.01 % of them by one bf16 step).
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
@@ -248,12 +247,9 @@ def step_config(b: int, h: int, p: int, r: int) -> dict:
     on the state split into pairs. r >= 2: BLOCK_P = min(8, next_pow2(p)), 1 warp, the state streamed past the
     caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT).
 
-    From a sweep on an H200 at batch 64, 32 heads, p 64, n 128 (CUDA graphs; benchmarks/results/
-    2026-12-03_h200_mamba3_step_sweep_flat.json): r = 1 45.1 µs (no choice faster; a copy of the state alone
-    takes 36.5); r = 2 53.2 µs against 64.8 with r = 1's choices; r = 4 72.5 µs against 111.9 with the rank
-    tile at 16 rows and 2 warps, the choice of an earlier sweep at 64 heads
-    (benchmarks/results/2026-12-02_h200_mamba3_step_tiles_sweep.json). The rank tile (RANK_TILE) stays for
-    sweeps; no shape measured so far picks it at 8 rows.
+    r = 1: 45.1 µs, no choice faster; r = 2: 53.2 against 64.8 with r = 1's; r = 4: 72.5 against 111.9
+    (batch 64, h32 p64 n128: benchmarks/results/2026-12-03_h200_mamba3_step_sweep_flat.json). The rank tile
+    (RANK_TILE) stays for the sweeps; no shape measured picks it.
     """
     if r == 1:
         return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, RANK_TILE=False, FLAT=False,
