@@ -98,12 +98,8 @@ def tile_config(channels_per_group: int, n: int, l: int) -> TileConfig:
     least 16); the backward min(512 / BLOCK_D, that), and the forward saves the state at that interval.
     One warp a program.
 
-    Chosen from H200 runs (b=8, d=2048, n=16, bf16 and fp32; benchmarks/results/README.md, 2026-11-30):
-    one warp beats 2 and 4 at every tile size; the backward is fastest at (4 channels, 128 steps): 2.70 ms
-    against 2.77 for (8, 64) (benchmarks/results/2026-11-30_h200_selective_scan_flip_ab.json); with the
-    checkpoints picked by a reduction, a one-channel forward is faster than two (0.66 against 0.71 ms, bf16
-    l=2048: the forward tile sweep kept in git, ``git show 75741d7^:benchmarks/results/`` followed by
-    ``2026-11-30_h200_selective_scan_v8_fwd_column_carry.json``, key ``tile_sweep_v8``).
+    Backward (4 channels, 128 steps): 2.70 ms against 2.77 for (8, 64), 2026-11-30_h200_selective_scan_flip_ab.json.
+    Forward one channel, one warp: 0.66 ms against 0.71 for two channels (results log, 2026-11-30).
     """
     block_n = triton.next_power_of_2(max(n, 1))
     block_l = min(512, max(16, triton.next_power_of_2(max(l, 1))))
