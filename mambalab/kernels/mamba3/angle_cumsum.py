@@ -26,11 +26,10 @@ Rows of a pairs are read and written where they lie in (b, l, h, a): no transpos
 cumsum along l needs to be fast (:func:`mambalab.ref.mamba3.cumulative_angle`, the reference).
 
 Tile rule (shape only): BLOCK_A = next_pow2(a) pairs, BLOCK_L = max(16, 4096 / BLOCK_A) positions a block.
-On an H200 at b4 l4096 h32 a32 (128 programs, each walking its l positions in order) the forward took
-0.083 ms and the backward 0.126 ms without pipelining, against about 1 ms for the 4 PyTorch passes forward
-and 6 backward it stands for (benchmarks/results/2026-11-30_h200_mamba3_glue_profile.json, profile). With so few
-programs the walk waits on its loads; fetching the next blocks while one is summed (:data:`LOOP_STAGES`)
-hides part of that wait.
+It replaces 4 PyTorch passes forward and 6 backward (0.083 and 0.126 ms against about 1 ms forward,
+2026-11-30_h200_mamba3_glue_profile.json). At b4 l4096 h32 a32 there are 128 programs, each walking its l
+positions in order, so the walk waits on its loads; fetching the next blocks while one is summed
+(:data:`LOOP_STAGES`) hides part of that wait.
 
 Shapes: angles (b, l, h, a) fp32, any strides (the module passes one row of angles expanded over the heads);
 dt (b, l, h) fp32 contiguous; initial (b, h, a) fp32 contiguous or None -> theta (b, l, h, a) fp32.
@@ -43,9 +42,8 @@ import triton.language as tl
 
 
 # Software-pipelining stages of both loops over position blocks (tl.range's num_stages: the loads of the next
-# blocks are issued while this one is summed; the additions and their order are unchanged). 3 stages: forward
-# 0.054 ms, backward 0.083, against 0.086 and 0.107 with 1 (4: the same; 2: no gain); H200, b4 l4096 h32 a32,
-# benchmarks/results/2026-11-30_h200_mamba3_loop_stages_ab.json.
+# blocks are issued while this one is summed; the additions and their order are unchanged).
+# forward 0.054 ms against 0.086 at 1 stage: benchmarks/results/2026-11-30_h200_mamba3_loop_stages_ab.json
 LOOP_STAGES = 3
 
 
