@@ -94,7 +94,7 @@ def sampling_figure(model: MambaLM, tokenizer: CharTokenizer, prompt: str, tempe
     order = before.argsort(descending=True)[:top].cpu()
     labels = [_shown(tokenizer.chars[i]) for i in order]
     is_kept = kept.isfinite().cpu()
-    out = generate(model, ids, new_chars, temperature=temperature, top_p=top_p,
+    out = generate(model, ids, new_chars, temperature=temperature, top_p=top_p, do_sample=True,
                    generator=torch.Generator(device).manual_seed(seed))
     text = tokenizer.decode(out[0, ids.shape[1]:])
     fig = go.Figure()
