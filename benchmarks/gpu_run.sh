@@ -17,7 +17,10 @@
 #            tilelang-a, tilelang-b (install the TileLang wheels of benchmarks/tilelang_wheels.sh into /tmp/tlsite, for
 #            mamba-ssm's MIMO kernels: the wheels exceed one call's carry limit, so carry .carry/tilelang-a alone
 #            for tilelang-a, then .carry/tilelang-b with .whl for tilelang-b in the next call, while the machine
-#            is still warm)
+#            is still warm), ccd-ext (build the causal_conv1d package in the background), compat-tests (the GPU tests
+#            of layer_norm_fn, causal_conv1d_fn, mamba_inner_fn), compat (mamba-ssm's and transformers' models
+#            routed onto mambalab: fingerprints in both mamba-ssm modes, their GPU tests, the speed; needs ccd-ext
+#            earlier in the same call and .carry/transformers)
 #   Steps after `tests` wait for the extension and can import it (its build folder joins PYTHONPATH).
 set -uo pipefail
 OUT=${OUT:-build/gpu}
@@ -164,6 +167,35 @@ with torch.no_grad():
     nb-*) only=${step#nb-}; [ "$only" = 01 ] && ext_ready   # chapter 01 compares with mamba-ssm's CUDA kernel
           timeout "${NB_T:-500}" python3 -m mambalab workbook --only "$only" --output-dir "$OUT/wb" \
             >"$OUT/$step.log" 2>&1; tail -4 "$OUT/$step.log" ;;
+    ccd-ext) # the causal_conv1d package (mamba-ssm's fused Mamba2 and Mamba paths need it), built in the background
+             (python3 benchmarks/mamba_cuda_ext.py --causal-conv1d .carry/causal_conv1d-*.tar.gz /tmp/ccd_ext \
+                >"$OUT/ccd_build.log" 2>&1; echo "ccd build rc=$?" >>"$OUT/ccd_build.log") &
+             ccd_pid=$! ;;
+    compat-tests) # the new drop-ins' GPU tests (mambalab against mamba-ssm's own kernels: Triton, CUDA, causal_conv1d)
+                  ext_ready; [ -n "${ccd_pid:-}" ] && wait "$ccd_pid"; export PYTHONPATH=$PYTHONPATH:/tmp/ccd_ext
+                  timeout "${COMPAT_TESTS_T:-200}" python3 -m pytest -q -p no:cacheprovider -rs \
+                    tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
+                    >"$OUT/compat-tests.log" 2>&1
+                  timeout 100 python3 -m pytest -q -p no:cacheprovider -rs tests/upstream/test_selective_scan.py \
+                    -k mamba_inner >>"$OUT/compat-tests.log" 2>&1; grep -E "passed|failed" "$OUT/compat-tests.log" ;;
+    compat) # mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py), both mamba-ssm modes;
+            # transformers as the project pins it (carried in .carry/transformers: the image's is older)
+            ext_ready; [ -n "${ccd_pid:-}" ] && wait "$ccd_pid"; tail -1 "$OUT/ccd_build.log"
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tfsite \
+              .carry/transformers/*.whl >"$OUT/compat.log" 2>&1
+            export PYTHONPATH=/tmp/tfsite:$PYTHONPATH:/tmp/ccd_ext HF_HUB_OFFLINE=1
+            mkdir -p "$OUT/compat"
+            timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints --out "$OUT/compat" >>"$OUT/compat.log" 2>&1
+            MAMBA_DETERMINISTIC=1 timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints \
+              --out "$OUT/compat" >>"$OUT/compat.log" 2>&1
+            [ "${COMPAT_GPU_TESTS:-1}" = 1 ] && timeout "${COMPAT_T:-150}" python3 -m pytest -q -p no:cacheprovider -rs \
+              tests/test_compat_gpu.py >>"$OUT/compat.log" 2>&1
+            if [ "${COMPAT_SPEED:-1}" = 1 ]; then
+              timeout 100 python3 benchmarks/bench_compat.py speed --out "$OUT/compat/compat_speed_default.json" >>"$OUT/compat.log" 2>&1
+              MAMBA_DETERMINISTIC=1 timeout 100 python3 benchmarks/bench_compat.py speed \
+                --out "$OUT/compat/compat_speed_deterministic.json" >>"$OUT/compat.log" 2>&1
+            fi
+            tar czf "$OUT/compat.tar.gz" -C "$OUT" compat; grep -E "^\{|passed|failed|rror" "$OUT/compat.log" | cut -c1-400 | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -2,7 +2,9 @@
 
     mambalab doctor [--json]       versions, device, determinism settings in force
     mambalab fingerprint [options] gradient fingerprint of a fixed Mamba-2 step, with the environment;
-                                   --save FILE keeps its tensors, --compare A B finds the first difference
+                                   --save FILE keeps its tensors, --compare A B finds the first difference;
+                                   --model NAME: a mamba-ssm or transformers model's step, routed onto
+                                   mambalab's kernels (--no-route: on its own)
     mambalab workbook [options]    execute every notebook headless into build/, render offline HTML
     mambalab train [options]       train a (tensor-parallel) Mamba-2 LM on a synthetic task; run it under
                                    torchrun for TP/DP (same flags as python -m mambalab.train)
@@ -54,10 +56,25 @@ def _fingerprint(args: argparse.Namespace) -> int:
 
     if args.compare:
         return _fingerprint_compare(args.compare)
+    if args.model is None and (args.no_route or args.size):
+        print("mambalab fingerprint: error: --no-route and --size apply to --model only", file=sys.stderr)
+        return 2
+    if args.model is not None and (args.reduction or args.simulate_schedule is not None):
+        print("mambalab fingerprint: error: --reduction and --simulate-schedule apply to mambalab's own step, "
+              "not to --model", file=sys.stderr)
+        return 2
     with contextlib.redirect_stdout(sys.stderr):  # stdout for the report alone
         try:
-            report, tensors = step.run_step(seed=args.seed, reduction=args.reduction, emulate_profile=args.emulate,
-                                            schedule_seed=args.simulate_schedule, return_tensors=True)
+            if args.model is not None:
+                from mambalab.determinism import library_step
+
+                report, tensors = library_step.run(args.model, routed=not args.no_route, size=args.size or "cpu",
+                                                   seed=args.seed, emulate_profile=args.emulate,
+                                                   return_tensors=True)
+            else:
+                report, tensors = step.run_step(seed=args.seed, reduction=args.reduction or "deterministic",
+                                                emulate_profile=args.emulate, schedule_seed=args.simulate_schedule,
+                                                return_tensors=True)
         except ValueError as err:
             print(f"mambalab fingerprint: error: {err}", file=sys.stderr)
             return 2
@@ -140,14 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "determinism settings. Two machines that print the same fingerprint "
                                    "computed the same bits.")
     p.add_argument("--seed", type=int, default=0, help="seed of parameters, input and target (default: 0)")
-    p.add_argument("--reduction", choices=("atomic", "deterministic"), default="deterministic",
+    p.add_argument("--reduction", choices=("atomic", "deterministic"),
                    help="deterministic: inside mambalab.determinism.deterministic(); atomic: the determinism "
-                        "flags off and atomic reductions (default: %(default)s)")
+                        "flags off and atomic reductions (default: deterministic)")
     p.add_argument("--emulate", choices=sorted(ARCH_PROFILES), metavar="GPU",
                    help="run under mambalab.determinism.emulate(GPU): one of " + ", ".join(sorted(ARCH_PROFILES)))
     p.add_argument("--simulate-schedule", type=int, metavar="SEED",
                    help="CPU interpreter only: run each launch's programs in a seeded shuffled order, a "
                         "SIMULATION of a GPU's scheduling (shows atomic reductions varying)")
+    from mambalab.determinism.library_step import MODELS, SIZES
+
+    p.add_argument("--model", choices=MODELS, metavar="MODEL",
+                   help="instead of mambalab's block, one training step of a library's model as users build it "
+                        "(default config), routed onto mambalab's kernels by mambalab.compat.use_mambalab_kernels: "
+                        "one of " + ", ".join(MODELS))
+    p.add_argument("--no-route", action="store_true",
+                   help="with --model: run the library's own kernels (not routed), to see what they do")
+    p.add_argument("--size", choices=sorted(SIZES),
+                   help="with --model: cpu (small, for Triton's interpreter) or gpu (default: cpu)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--save", metavar="FILE",
                    help="also write the report and every gradient and the output (torch.save) to FILE, to "

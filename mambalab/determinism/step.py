@@ -156,12 +156,18 @@ def format_report(report: dict) -> str:
         "per-parameter gradient fingerprints:",
         *(f"  {name:<20} {fp}" for name, fp in report["parameters"].items()),
         "step:",
-        f"  seed {report['seed']}, reduction {report['reduction']}, kernels in {report['kernel_dtype']} "
-        f"(tl.dot precision {report['dot_precision']}) on {report['device']}",
-        "  size " + ", ".join(f"{k}={val}" for k, val in report["size"].items()),
-        f"  emulated GPU: {report['emulated'] or 'none'}",
     ]
-    if report["schedule_simulation_seed"] is not None:
+    if "model" in report:   # a library model's step (mambalab.determinism.library_step)
+        lines += [f"  {report['model']}, seed {report['seed']}, on "
+                  f"{'mambalab kernels (use_mambalab_kernels)' if report['routed'] else 'its own kernels'}, "
+                  f"on {report['device']}",
+                  "  shape " + ", ".join(f"{k}={val}" for k, val in report["shape"].items())]
+    else:
+        lines += [f"  seed {report['seed']}, reduction {report['reduction']}, kernels in {report['kernel_dtype']} "
+                  f"(tl.dot precision {report['dot_precision']}) on {report['device']}",
+                  "  size " + ", ".join(f"{k}={val}" for k, val in report["size"].items())]
+    lines.append(f"  emulated GPU: {report['emulated'] or 'none'}")
+    if report.get("schedule_simulation_seed") is not None:
         lines.append(f"  program order: SIMULATED GPU scheduling, seed {report['schedule_simulation_seed']} "
                      "(CPU interpreter, shuffled program order)")
     lines += [

@@ -12,6 +12,8 @@
 * :func:`causal_conv1d_fn`: the causal depthwise conv over a sequence with autograd (deterministic backward),
   drop-in for the ``causal_conv1d`` package's.
 * :func:`mamba_inner_fn`: Mamba-1's conv, projections, scan and out projection, drop-in for mamba-ssm's.
+* :func:`mamba_split_conv1d_scan_combined`: Mamba-2's conv, SSD, gated norm and out projection, the fused entry
+  point mamba-ssm's ``Mamba2`` trains through, drop-in for mamba-ssm's.
 * :func:`layer_norm_fn`, :func:`rms_norm_fn`: the residual add fused with a LayerNorm or RMSNorm, with a backward
   whose bits do not depend on the GPU model; drop-ins for mamba-ssm's functions of those names.
 """
@@ -21,10 +23,11 @@ from mambalab.ops.layer_norm import layer_norm_fn, rms_norm_fn
 from mambalab.ops.mamba3 import mamba3_chunk_scan, mamba3_step
 from mambalab.ops.mamba_inner import mamba_inner_fn
 from mambalab.ops.selective_scan import selective_scan
+from mambalab.ops.split_conv1d_scan import mamba_split_conv1d_scan_combined
 from mambalab.ops.ssd import ssd_chunk_scan, ssd_chunk_scan_forward
 from mambalab.ops.state_update import selective_state_update
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "layer_norm_fn", "mamba_inner_fn", "mamba3_chunk_scan",
-           "mamba3_step", "rms_norm_fn",
-           "selective_scan", "selective_state_update",
+__all__ = ["causal_conv1d_fn", "causal_conv1d_update", "mamba_inner_fn", "mamba_split_conv1d_scan_combined",
+           "mamba3_chunk_scan", "mamba3_step",
+           "layer_norm_fn", "rms_norm_fn", "selective_scan", "selective_state_update",
            "ssd_chunk_scan", "ssd_chunk_scan_forward"]

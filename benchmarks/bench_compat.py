@@ -1,0 +1,142 @@
+"""mamba-ssm's and transformers' models on mambalab's kernels (mambalab.compat.use_mambalab_kernels), on a GPU.
+
+    python benchmarks/bench_compat.py fingerprints --out DIR    the fixed training step of every model of
+        mambalab.determinism.library_step (size "gpu"): routed, twice and under two emulated GPU profiles, each
+        routed step saved as DIR/<gpu>_<model>.pt (for mambalab fingerprint --compare across GPUs); then the
+        library's own kernels: 5 runs, and one under each emulated profile, counting distinct gradient bit
+        patterns, and the routed gradients' largest relative difference from the library's own. The mode of
+        mamba-ssm's own kernels is the process's (MAMBA_DETERMINISTIC=1 before import: its deterministic mode).
+        mamba-ssm's autotuners try one configuration each (its smallest, oracle.single_config): autotuning them
+        all would take minutes a shape; the order of their sums within a configuration is what is measured.
+        Also mambalab's own fixed step (mambalab fingerprint --save) as DIR/<gpu>_mambalab.pt.
+    python benchmarks/bench_compat.py speed --out FILE    one training step (forward and backward, bf16 autocast,
+        fp32 parameters) of mamba-ssm's MambaLMHeadModel with Mamba-2 layers, d_model 2048, 8 layers, b 4, l 4096,
+        vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), CUDA-event medians.
+
+gpu_run.sh's `compat` step runs both, once per mamba-ssm mode, one process each.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment  # noqa: E402
+
+PROFILES = ("rtx4090", "rtxa6000")
+
+
+def _mode() -> str:
+    return "deterministic" if os.environ.get("MAMBA_DETERMINISTIC", "")[:1] == "1" else "default"
+
+
+def _gpu_tag() -> str:
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def fingerprints(out: Path) -> dict:
+    from mambalab import oracle
+    from mambalab.determinism import library_step, step
+
+    out.mkdir(parents=True, exist_ok=True)
+    tag, rows = _gpu_tag(), []
+    report, tensors = step.run_step(return_tensors=True)
+    step.save_step(out / f"{tag}_mambalab.pt", report, tensors)
+    rows.append(dict(model="mambalab.Mamba2 (mambalab fingerprint)", routed=True, fingerprint=report["fingerprint"]))
+    for model in library_step.MODELS:
+        row = dict(model=model, mamba_ssm_mode=_mode())
+        try:
+            first, mine = library_step.run(model, size="gpu", return_tensors=True)
+            step.save_step(out / f"{tag}_{model.replace('.', '_')}.pt", first, mine)
+            again = library_step.run(model, size="gpu")["fingerprint"]
+            emulated = [library_step.run(model, size="gpu", emulate_profile=p)["fingerprint"] for p in PROFILES]
+            row.update(routed_fingerprint=first["fingerprint"],
+                       routed_patterns_over_runs=len({first["fingerprint"], again}),
+                       routed_patterns_over_profiles=len({first["fingerprint"], *emulated}))
+            theirs = []
+            with oracle.single_config(smallest=True):
+                for _ in range(5):
+                    r, t = library_step.run(model, routed=False, size="gpu", return_tensors=True)
+                    theirs.append(r["fingerprint"])
+                row["own_fingerprint"] = theirs[0]
+                row["own_patterns_over_5_runs"] = len(set(theirs))
+                row["own_patterns_over_profiles"] = len({theirs[0], *(library_step.run(
+                    model, routed=False, size="gpu", emulate_profile=p)["fingerprint"] for p in PROFILES)})
+            step.save_step(out / f"{tag}_{model.replace('.', '_')}_own_{_mode()}.pt", r, t)
+            row["max_rel_diff_routed_vs_own"] = max(_rel(mine[k], t[k]) for k in mine)
+        except Exception as err:   # keep what was measured; say what failed
+            row["error"] = f"{type(err).__name__}: {err}"[:400]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        result = dict(environment=environment(), rows=rows,
+                      command=f"MAMBA_DETERMINISTIC={os.environ.get('MAMBA_DETERMINISTIC', '')} "
+                              f"python benchmarks/bench_compat.py fingerprints --out {out}")
+        (out / f"compat_fingerprints_{_mode()}.json").write_text(json.dumps(result, indent=2))   # after each row
+    return result
+
+
+def _median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def speed() -> dict:
+    from mambalab import oracle
+    from mambalab.compat import use_mambalab_kernels
+
+    oracle.load()
+    from mamba_ssm.models.config_mamba import MambaConfig
+    from mamba_ssm.models.mixer_seq_simple import MambaLMHeadModel
+
+    torch.manual_seed(0)
+    config = MambaConfig(d_model=2048, n_layer=8, vocab_size=1024, ssm_cfg=dict(layer="Mamba2"))
+    model = MambaLMHeadModel(config, device="cuda")
+    ids = torch.randint(0, 1024, (4, 4097), device="cuda")
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(ids[:, :-1]).logits
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
+
+    own = _median_ms(train_step)
+    with use_mambalab_kernels():
+        routed = _median_ms(train_step)
+    row = dict(shape="MambaLMHeadModel Mamba2, d_model 2048, 8 layers, b4 l4096, vocab 1024, bf16 autocast",
+               mamba_ssm_mode=_mode(), routed_ms=routed, mamba_ssm_ms=own, ratio=routed / own)
+    print(json.dumps(row), flush=True)
+    return dict(environment=environment(), command=f"bench_compat.py speed (mamba-ssm {_mode()} mode)", rows=[row])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=("fingerprints", "speed"))
+    parser.add_argument("--out", required=True, help="fingerprints: a folder; speed: a JSON file")
+    args = parser.parse_args()
+    if args.what == "fingerprints":
+        fingerprints(Path(args.out))
+    else:
+        Path(args.out).write_text(json.dumps(speed(), indent=2))
+
+
+if __name__ == "__main__":
+    main()
