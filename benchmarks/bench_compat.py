@@ -4,7 +4,8 @@
         mambalab.determinism.library_step (size "gpu"): routed, twice and under two emulated GPU profiles, each
         routed step saved as DIR/<gpu>_<model>.pt (for mambalab fingerprint --compare across GPUs); then the
         library's own kernels: 5 runs, and one under each emulated profile, counting distinct gradient bit
-        patterns, and the routed gradients' largest relative difference from the library's own. The mode of
+        patterns and the parameters whose gradients vary, and the routed gradients' largest relative difference
+        from the library's own; in mamba-ssm's deterministic mode also with torch's deterministic algorithms on. The mode of
         mamba-ssm's own kernels is the process's (MAMBA_DETERMINISTIC=1 before import: its deterministic mode).
         mamba-ssm's autotuners try one configuration each (its smallest, oracle.single_config): autotuning them
         all would take minutes a shape; the order of their sums within a configuration is what is measured.
@@ -44,6 +45,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _grads(tensors: dict) -> dict:
+    """The gradients alone (a language model's logits are 16 MiB: the report keeps their fingerprint)."""
+    return {k: v for k, v in tensors.items() if k.startswith("grad/")}
+
+
+def _patterns(prefix: str, runs: list[dict], emulated: list[dict]) -> dict:
+    """Distinct gradient bit patterns over repeated runs and over the emulated profiles (with the first run), and
+    which parameters' gradients vary in each (parameter: number of patterns)."""
+    def varying(reports):
+        names = reports[0]["parameters"]
+        counts = {n: len({rep["parameters"][n] for rep in reports}) for n in names}
+        return {n: c for n, c in counts.items() if c > 1}
+
+    return {f"{prefix}_fingerprint": runs[0]["fingerprint"],
+            f"{prefix}_patterns_over_{len(runs)}_runs": len({rep["fingerprint"] for rep in runs}),
+            f"{prefix}_varying_over_runs": varying(runs),
+            f"{prefix}_patterns_over_profiles": len({rep["fingerprint"] for rep in [runs[0], *emulated]}),
+            f"{prefix}_varying_over_profiles": varying([runs[0], *emulated])}
+
+
 def fingerprints(out: Path) -> dict:
     from mambalab import oracle
     from mambalab.determinism import library_step, step
@@ -51,28 +72,34 @@ def fingerprints(out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     tag, rows = _gpu_tag(), []
     report, tensors = step.run_step(return_tensors=True)
-    step.save_step(out / f"{tag}_mambalab.pt", report, tensors)
+    step.save_step(out / f"{tag}_mambalab.pt", report, _grads(tensors))
     rows.append(dict(model="mambalab.Mamba2 (mambalab fingerprint)", routed=True, fingerprint=report["fingerprint"]))
     for model in library_step.MODELS:
         row = dict(model=model, mamba_ssm_mode=_mode())
         try:
             first, mine = library_step.run(model, size="gpu", return_tensors=True)
-            step.save_step(out / f"{tag}_{model.replace('.', '_')}.pt", first, mine)
+            step.save_step(out / f"{tag}_{model.replace('.', '_')}.pt", first, _grads(mine))
             again = library_step.run(model, size="gpu")["fingerprint"]
             emulated = [library_step.run(model, size="gpu", emulate_profile=p)["fingerprint"] for p in PROFILES]
             row.update(routed_fingerprint=first["fingerprint"],
                        routed_patterns_over_runs=len({first["fingerprint"], again}),
                        routed_patterns_over_profiles=len({first["fingerprint"], *emulated}))
-            theirs = []
             with oracle.single_config(smallest=True):
-                for _ in range(5):
-                    r, t = library_step.run(model, routed=False, size="gpu", return_tensors=True)
-                    theirs.append(r["fingerprint"])
-                row["own_fingerprint"] = theirs[0]
-                row["own_patterns_over_5_runs"] = len(set(theirs))
-                row["own_patterns_over_profiles"] = len({theirs[0], *(library_step.run(
-                    model, routed=False, size="gpu", emulate_profile=p)["fingerprint"] for p in PROFILES)})
-            step.save_step(out / f"{tag}_{model.replace('.', '_')}_own_{_mode()}.pt", r, t)
+                runs = [library_step.run(model, routed=False, size="gpu", return_tensors=True) for _ in range(5)]
+                emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p) for p in PROFILES]
+            r, t = runs[-1]
+            row.update(_patterns("own", [rep for rep, _ in runs], emulated))
+            if _mode() == "deterministic":   # and torch's deterministic algorithms: the most a user can switch on
+                torch.use_deterministic_algorithms(True, warn_only=True)
+                try:
+                    with oracle.single_config(smallest=True):
+                        det = [library_step.run(model, routed=False, size="gpu") for _ in range(3)]
+                        det_emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p)
+                                        for p in PROFILES]
+                finally:
+                    torch.use_deterministic_algorithms(False)
+                row.update(_patterns("own_with_torch_deterministic", det, det_emulated))
+            step.save_step(out / f"{tag}_{model.replace('.', '_')}_own_{_mode()}.pt", r, _grads(t))
             row["max_rel_diff_routed_vs_own"] = max(_rel(mine[k], t[k]) for k in mine)
         except Exception as err:   # keep what was measured; say what failed
             row["error"] = f"{type(err).__name__}: {err}"[:400]

@@ -186,7 +186,7 @@ with torch.no_grad():
             export PYTHONPATH=/tmp/tfsite:$PYTHONPATH:/tmp/ccd_ext HF_HUB_OFFLINE=1
             mkdir -p "$OUT/compat"
             timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints --out "$OUT/compat" >>"$OUT/compat.log" 2>&1
-            MAMBA_DETERMINISTIC=1 timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints \
+            MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints \
               --out "$OUT/compat" >>"$OUT/compat.log" 2>&1
             [ "${COMPAT_GPU_TESTS:-1}" = 1 ] && timeout "${COMPAT_T:-150}" python3 -m pytest -q -p no:cacheprovider -rs \
               tests/test_compat_gpu.py >>"$OUT/compat.log" 2>&1

@@ -98,8 +98,8 @@ def test_float64_gradients(activation, width):
     out, fs = causal_conv1d_fn(*ours[:3], initial_states=ours[3], return_final_states=True, activation=activation)
     out_ref, fs_ref = causal_conv1d_ref(*ref, return_final_states=True, activation=activation)
     torch.testing.assert_close(out.double(), out_ref, rtol=1e-6, atol=1e-6)
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
-    gf = torch.randn(fs.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64).to(out.device)
+    gf = torch.randn(fs.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(out.device)
     ((out.double() * g).sum() + (fs.double() * gf).sum()).backward()
     ((out_ref * g).sum() + (fs_ref * gf).sum()).backward()
     for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
