@@ -195,7 +195,9 @@ with torch.no_grad():
               MAMBA_DETERMINISTIC=1 timeout 100 python3 benchmarks/bench_compat.py speed \
                 --out "$OUT/compat/compat_speed_deterministic.json" >>"$OUT/compat.log" 2>&1
             fi
-            tar czf "$OUT/compat.tar.gz" -C "$OUT" compat; grep -E "^\{|passed|failed|rror" "$OUT/compat.log" | cut -c1-400 | tail -30 ;;
+            # the JSON and the routed steps' .pt files (mambalab fingerprint --compare them across GPUs), in parts
+            # small enough to come back from the device machine (16 MiB a file)
+            tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"; grep -E "^\{|passed|failed|rror" "$OUT/compat.log" | cut -c1-400 | tail -30 ;;
     *) echo "unknown step $step" ;;
   esac
 done
