@@ -32,6 +32,10 @@ if [ ! -f /tmp/site/.mambalab-wheels ] && [ -d .whl ]; then   # once per machine
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -d /tmp/tlsite ] && export PYTHONPATH=/tmp/tlsite:$PYTHONPATH   # TileLang, when tilelang-a/-b installed it
+if [ -d .carry/transformers ] && [ ! -d /tmp/tfsite ]; then   # transformers as the project pins it (the image's is older)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tfsite .carry/transformers/*.whl
+fi
+[ -d /tmp/tfsite ] && export PYTHONPATH=/tmp/tfsite:$PYTHONPATH HF_HUB_OFFLINE=1
 export JUPYTER_PATH=/tmp/site/share/jupyter   # nbconvert's templates, installed with --target
 SDIST=$(ls .carry/mamba_ssm-*.tar.gz)
 EXT_DIR=/tmp/mamba_ext
@@ -42,7 +46,7 @@ else
   (python3 benchmarks/mamba_cuda_ext.py "$SDIST" "$EXT_DIR" >"$OUT/ext_build.log" 2>&1; echo "ext build rc=$?" >>"$OUT/ext_build.log") &
   build_pid=$!
 fi
-ext_ready() { [ -n "$build_pid" ] && wait "$build_pid" 2>/dev/null; export PYTHONPATH=/tmp/site:$PWD:$EXT_DIR; }
+ext_ready() { [ -n "$build_pid" ] && wait "$build_pid" 2>/dev/null; case ":$PYTHONPATH:" in *":$EXT_DIR:"*) ;; *) export PYTHONPATH=$PYTHONPATH:$EXT_DIR ;; esac; }
 for step in "$@"; do
   echo "=== $step $(date +%T)"
   case $step in
@@ -181,9 +185,7 @@ with torch.no_grad():
     compat) # mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py), both mamba-ssm modes;
             # transformers as the project pins it (carried in .carry/transformers: the image's is older)
             ext_ready; [ -n "${ccd_pid:-}" ] && wait "$ccd_pid"; tail -1 "$OUT/ccd_build.log"
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/tfsite \
-              .carry/transformers/*.whl >"$OUT/compat.log" 2>&1
-            export PYTHONPATH=/tmp/tfsite:$PYTHONPATH:/tmp/ccd_ext HF_HUB_OFFLINE=1
+            export PYTHONPATH=/tmp/tfsite:$PYTHONPATH:/tmp/ccd_ext; : >"$OUT/compat.log"
             mkdir -p "$OUT/compat"
             timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints --out "$OUT/compat" >>"$OUT/compat.log" 2>&1
             MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 timeout "${COMPAT_FP_T:-150}" python3 benchmarks/bench_compat.py fingerprints \
