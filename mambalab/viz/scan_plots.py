@@ -274,7 +274,8 @@ def kernel_tiles_figure(b: int, d: int, l: int, n: int, block_d: int, block_l: i
     fig.update_xaxes(title_text="channel (d)", range=[0, d], row=1, col=1)
     fig.update_yaxes(title_text="batch row (b)", range=[b, 0], row=1, col=1)
     fig.update_xaxes(title_text="time step t (sequence position)", range=[0, l], row=1, col=2)
-    fig.update_yaxes(tickvals=[v + 0.5 for v in lanes.values()], ticktext=list(lanes), range=[0, 3], row=1, col=2)
+    fig.update_yaxes(title_text="where the data is", tickvals=[v + 0.5 for v in lanes.values()], ticktext=list(lanes),
+                     range=[0, 3], row=1, col=2)
     fig.update_layout(title="The selective-scan forward: which program owns which tile, and what moves between "
                             "HBM and the chip",
                       template="plotly_white", height=420, legend=dict(orientation="h", y=-0.2))
