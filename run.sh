@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # mambalab's one entry point. Sets everything up in ./.venv (idempotent), then runs a job:
 #   ./run.sh workbook   execute every notebook headless into build/, render them as offline HTML
-#   ./run.sh test       run the test suite (unit tests, every notebook through papermill)
+#   ./run.sh test       run the test suite over two pytest-xdist workers (unit tests, every notebook)
 #   ./run.sh setup      only set up
 #   ./run.sh lab        open JupyterLab on the notebooks
 # Knobs (environment): MAMBALAB_VENV (default .venv; "none" installs into the python already active,
@@ -63,7 +63,8 @@ case "$job" in
   setup) setup ;;
   test)
     setup
-    python -m pytest "$@"
+    # two workers (CI's cores); each notebook's tests form one work unit (tests/conftest.py). -n 0: one process
+    python -m pytest -n 2 --dist loadscope "$@"
     ;;
   workbook)
     setup

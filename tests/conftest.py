@@ -100,24 +100,71 @@ def rotate_halves(x, theta):
 
 
 # Executing a chapter (papermill) keeps one core busy for up to two minutes while pytest itself only waits, and
-# CI has two cores. So the notebooks that the selected tests ask for are executed one after another in a
-# background thread from the session's first test, and the tests that read them run last: the same executions,
-# beside the rest of the suite instead of in its way.
+# CI has two cores. In one process, the notebooks that the selected tests ask for are executed one after another
+# in a background thread from the session's first test, and the tests that read them run last: the same
+# executions, beside the rest of the suite instead of in its way. Under pytest-xdist (`./run.sh test` runs two
+# workers, --dist loadscope) each worker is a session of its own, so a notebook's readers must share a worker:
+# NotebookScopeScheduling gives each notebook's readers one work unit and each module one (its module-scoped
+# fixtures are computed once), and a worker executes a notebook when its first reader asks.
 _NOTEBOOKS_TO_EXECUTE = pytest.StashKey[list]()
+# The modules whose tests read ``executed_notebook``, parametrized by the notebook's path with its stem as id.
+NOTEBOOK_READERS = ("tests/test_notebooks.py", "tests/browser/test_pages_offline.py")
+
+
+def _notebook_params(item) -> list:
+    params = getattr(getattr(item, "callspec", None), "params", {}).values()
+    return [p for p in params if isinstance(p, Path) and p.suffix == ".ipynb"]
 
 
 @pytest.hookimpl(trylast=True)   # after -k, -m and --deselect have dropped what will not run
 def pytest_collection_modifyitems(config, items):
     """Tests that use ``executed_notebook`` go last, in their order; their notebooks are noted for
-    :func:`executed_notebook` to execute from the session's start."""
+    :func:`executed_notebook` to execute from the session's start. Under pytest-xdist they keep their place."""
     reading = [item for item in items if "executed_notebook" in getattr(item, "fixturenames", ())]
     if not reading:
         return
+    stray = [item.nodeid for item in reading if item.nodeid.split("::")[0] not in NOTEBOOK_READERS]
+    if stray:
+        raise pytest.UsageError(f"{stray[0]} reads executed_notebook outside NOTEBOOK_READERS (tests/conftest.py)")
+    if hasattr(config, "workerinput"):
+        return
     ids = {id(item) for item in reading}
     items[:] = [item for item in items if id(item) not in ids] + reading
-    params = [v for item in reading for v in getattr(getattr(item, "callspec", None), "params", {}).values()]
-    config.stash[_NOTEBOOKS_TO_EXECUTE] = list(dict.fromkeys(
-        p for p in params if isinstance(p, Path) and p.suffix == ".ipynb"))
+    config.stash[_NOTEBOOKS_TO_EXECUTE] = list(dict.fromkeys(p for item in reading for p in _notebook_params(item)))
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope with each notebook's readers in one work unit (see NotebookScopeScheduling)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class NotebookScopeScheduling(LoadScopeScheduling):
+        """One work unit a module, except that the tests of NOTEBOOK_READERS parametrized by a notebook form
+        one unit for that notebook (``notebook:<stem>``), whichever module they are in. Units go out largest
+        first (loadscope's order), the notebooks' ahead of any module's: each keeps a worker busy for a
+        minute or two, so they must not come last."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module, _, rest = nodeid.partition("::")
+            ids = rest.rpartition("[")[2].rstrip("]").split("-") if rest.endswith("]") else []
+            stems = [i for i in ids if i in NOTEBOOK_STEMS]
+            if module in NOTEBOOK_READERS and stems:
+                return f"notebook:{stems[0]}"
+            return module
+
+        def _assign_work_unit(self, node) -> None:
+            if not getattr(self, "_notebooks_put_first", False):
+                for scope in [s for s in self.workqueue if s.startswith("notebook:")][::-1]:
+                    self.workqueue.move_to_end(scope, last=False)
+                self._notebooks_put_first = True
+            super()._assign_work_unit(node)
+
+    return NotebookScopeScheduling(config, log)
+
+
+NOTEBOOK_STEMS = {p.stem for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -133,8 +180,9 @@ def executed_notebook(request, tmp_path_factory):
     (papermill, a fresh kernel, no parameter overridden), once per test session; returns the executed copy.
     tests/test_notebooks.py and the offline-page tests in tests/browser share the run. The notebooks of the
     selected tests are executed one after another in a background thread from the session's start (see
-    pytest_collection_modifyitems); asking for one waits for its run. A failed run raises its error again for
-    every test that asks for that notebook."""
+    pytest_collection_modifyitems); asking for one waits for its run. Under pytest-xdist a worker executes a
+    notebook when a test first asks for it. A failed run raises its error again for every test that asks for
+    that notebook."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mambalab import workbook
