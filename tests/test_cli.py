@@ -184,3 +184,26 @@ def test_fingerprint_compare_usage_errors_are_one_line(capsys, tmp_path):
         assert cli.main(["fingerprint", "--compare", good, other]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("mambalab fingerprint: error: ") and message in err[0], err
+
+
+def test_fingerprint_model_saves_a_library_models_routed_step_that_compares_with_a_rerun(capsys, tmp_path):
+    """--model: mamba-ssm's Mamba2 block as users build it, routed onto mambalab's kernels; a second run under an
+    emulated RTX A6000 has the same bits, and the report names the model and the routing."""
+    a, b = str(tmp_path / "a.pt"), str(tmp_path / "b.pt")
+    assert cli.main(["fingerprint", "--model", "mamba_ssm.Mamba2", "--save", a]) == 0
+    text = capsys.readouterr().out
+    assert "mamba_ssm.Mamba2" in text and "mambalab kernels (use_mambalab_kernels)" in text
+    assert cli.main(["fingerprint", "--model", "mamba_ssm.Mamba2", "--emulate", "rtxa6000", "--json", "--save", b]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["routed"] is True and report["emulated"] is not None
+    assert cli.main(["fingerprint", "--compare", a, b]) == 0
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--no-route"], "--no-route and --size apply to --model only"),
+    (["--model", "mamba_ssm.Mamba2", "--reduction", "atomic"], "--reduction and --simulate-schedule apply"),
+])
+def test_fingerprint_model_flag_misuse_is_one_line(capsys, args, message):
+    assert cli.main(["fingerprint", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
