@@ -12,7 +12,8 @@
         Also mambalab's own fixed step (mambalab fingerprint --save) as DIR/<gpu>_mambalab.pt.
     python benchmarks/bench_compat.py speed --out FILE    one training step (forward and backward, bf16 autocast,
         fp32 parameters) of mamba-ssm's MambaLMHeadModel with Mamba-2 layers, d_model 2048, 8 layers, b 4, l 4096,
-        vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), CUDA-event medians.
+        vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), medians of
+        common.time_ms.
 
 gpu_run.sh's `compat` step runs both, once per mamba-ssm mode, one process each.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment  # noqa: E402
+from common import environment, time_ms, write  # noqa: E402
 
 PROFILES = ("rtx4090", "rtxa6000")
 
@@ -108,22 +109,8 @@ def fingerprints(out: Path) -> dict:
         result = dict(environment=environment(), rows=rows,
                       command=f"MAMBA_DETERMINISTIC={os.environ.get('MAMBA_DETERMINISTIC', '')} "
                               f"python benchmarks/bench_compat.py fingerprints --out {out}")
-        (out / f"compat_fingerprints_{_mode()}.json").write_text(json.dumps(result, indent=2))   # after each row
+        write(out / f"compat_fingerprints_{_mode()}.json", result, quiet=True)   # after each row
     return result
-
-
-def _median_ms(fn, reps: int = 10, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def speed() -> dict:
@@ -145,9 +132,9 @@ def speed() -> dict:
             logits = model(ids[:, :-1]).logits
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
 
-    own = _median_ms(train_step)
+    own = time_ms(train_step, warmup=500, rep=2000)
     with use_mambalab_kernels():
-        routed = _median_ms(train_step)
+        routed = time_ms(train_step, warmup=500, rep=2000)
     row = dict(shape="MambaLMHeadModel Mamba2, d_model 2048, 8 layers, b4 l4096, vocab 1024, bf16 autocast",
                mamba_ssm_mode=_mode(), routed_ms=routed, mamba_ssm_ms=own, ratio=routed / own)
     print(json.dumps(row), flush=True)
@@ -162,7 +149,7 @@ def main() -> None:
     if args.what == "fingerprints":
         fingerprints(Path(args.out))
     else:
-        Path(args.out).write_text(json.dumps(speed(), indent=2))
+        write(args.out, speed())
 
 
 if __name__ == "__main__":

@@ -14,15 +14,12 @@ from mambalab import oracle
 from mambalab.determinism import library_step
 from mambalab.ops import mamba_split_conv1d_scan_combined
 
+from test_compat import _rel
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_causal_conv1d = pytest.mark.skipif(importlib.util.find_spec("causal_conv1d") is None,
                                          reason="mamba-ssm's fused path needs the causal_conv1d package")
-
-
-def _rel(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 @needs_causal_conv1d
