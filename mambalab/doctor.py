@@ -16,7 +16,12 @@ import torch
 from mambalab import device, oracle
 
 #: Environment variables that change what the kernels and libraries compute, or how reproducibly.
-ENV_VARS = ("CUBLAS_WORKSPACE_CONFIG", "MAMBA_DETERMINISTIC", "TRITON_CACHE_AUTOTUNING", "TRITON_INTERPRET")
+#: TRITON_F32_DEFAULT is ``tl.dot``'s input precision for fp32 operands where a kernel names none ("tf32",
+#: "tf32x3", "ieee"), and TRITON_DEFAULT_FP_FUSION whether a multiply and an add may fuse into one rounding:
+#: both read by triton 3.6's ``knobs.language_knobs`` and both able to change a Triton kernel's bits (mamba-ssm's
+#: kernels name no precision; mambalab's pass ``input_precision`` explicitly).
+ENV_VARS = ("CUBLAS_WORKSPACE_CONFIG", "MAMBA_DETERMINISTIC", "TRITON_CACHE_AUTOTUNING", "TRITON_DEFAULT_FP_FUSION",
+            "TRITON_F32_DEFAULT", "TRITON_INTERPRET")
 
 
 def _package_version(name: str) -> str | None:

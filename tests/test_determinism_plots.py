@@ -129,7 +129,7 @@ def test_norm_weight_gradient_follows_the_emulated_sm_count_in_mamba_ssm_only():
     inputs = ex.norm_inputs(128, 1024, seed=3)
     prints = {}
     for impl in ("mamba_ssm", "mambalab"):
-        for profile in ("rtx4090", "rtxa6000"):   # 128 blocks of 1 row vs 84 blocks of 2 rows
+        for profile in ("rtx4090", "rtxa6000"):   # 128 programs of 1 row; 84 of 2 rows (64 hold rows)
             with emulate(profile):
                 grads = ex.norm_gradients(inputs, impl=impl, kind="gated")
             prints[impl, profile] = {k: fingerprint(v) for k, v in grads.items()}
