@@ -214,7 +214,7 @@ def loss_curves_figure(curves: Mapping[str, Sequence[float]], pairs: Mapping[str
                        title: str) -> go.Figure:
     """Top: every loss curve overlaid. Bottom: |loss_a − loss_b| per step for each named pair of curves
     (log scale); a pair that is bitwise equal at every step has no points, and its legend says so."""
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, row_heights=[0.55, 0.45],
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.16, row_heights=[0.55, 0.45],
                         subplot_titles=("loss per step, overlaid", "difference between the two machines"))
     for i, (name, ys) in enumerate(curves.items()):
         dash = "dot" if i % 2 else "solid"
@@ -234,8 +234,9 @@ def loss_curves_figure(curves: Mapping[str, Sequence[float]], pairs: Mapping[str
                                  line=dict(color=_COLORS[i % len(_COLORS)])), row=2, col=1)
     fig.update_yaxes(title_text="loss (MSE)", row=1, col=1)
     fig.update_yaxes(title_text="|Δ loss| (log)", type="log", exponentformat="power", row=2, col=1)
-    fig.update_xaxes(title_text="training step", row=2, col=1)
-    fig.update_layout(title=title, height=560, legend=dict(font=dict(size=10)))
+    for row in (1, 2):   # shared steps, labelled on both panels so each reads on its own
+        fig.update_xaxes(title_text="training step", showticklabels=True, row=row, col=1)
+    fig.update_layout(title=title, height=600, legend=dict(font=dict(size=10)))
     return fig
 
 
