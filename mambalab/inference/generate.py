@@ -22,30 +22,15 @@ names them, as transformers' does.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import warnings
 from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["InferenceParams", "apply_repetition_penalty", "filter_min_p", "filter_top_k", "filter_top_p",
-           "generate", "stream"]
+from mambalab.inference.cache import InferenceParams
+from mambalab.inference.graphs import DecodeGraph
 
-
-@dataclass
-class InferenceParams:
-    """The decoding cache, as mamba-ssm's ``InferenceParams``: ``key_value_memory_dict[layer_idx]`` holds each
-    layer's state tuple; ``seqlen_offset`` is 0 during the prefill and the position afterwards."""
-
-    max_seqlen: int
-    max_batch_size: int
-    seqlen_offset: int = 0
-    batch_size_offset: int = 0
-    key_value_memory_dict: dict = field(default_factory=dict)
-    lengths_per_sample: torch.Tensor | None = None
-
-    def reset(self, max_seqlen: int, max_batch_size: int) -> None:
-        self.max_seqlen, self.max_batch_size, self.seqlen_offset = max_seqlen, max_batch_size, 0
+__all__ = ["apply_repetition_penalty", "filter_min_p", "filter_top_k", "filter_top_p", "generate", "stream"]
 
 
 # ------------------------------------------------------------------------------------------ logits processing
@@ -189,7 +174,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     """
     decode_step = None
     if cg:
-        from mambalab.inference.graphs import DecodeGraph
         decode_step = DecodeGraph.for_model(model, batch_size=input_ids.shape[0])   # recorded once, then replayed
     tokens = []
     for token in stream(model, input_ids, max_new_tokens, temperature, top_k, top_p, min_p, repetition_penalty,

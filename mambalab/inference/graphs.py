@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from mambalab.inference.cache import InferenceParams
+
 __all__ = ["DecodeGraph"]
 
 
@@ -28,8 +30,6 @@ class DecodeGraph:
         if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
             raise RuntimeError("cg=True records the decode step as a CUDA graph: the model must be on a CUDA GPU "
                                "(use cg=False on the CPU)")
-        from mambalab.inference.generate import InferenceParams
-
         self.model, self.batch_size, self.warmup = model, batch_size, warmup
         self.params = InferenceParams(max_seqlen=1, max_batch_size=batch_size)   # states made by the prefill
         self.graph = None
