@@ -211,11 +211,13 @@ CASES = {
 def compiled(tmp_path_factory):
     """Each case's launches, and the outcome of compiling each distinct launch (keyed by Launch.key()).
 
-    The distinct launches are dealt out to one child process per core, each with its own empty Triton cache:
-    Triton compiles on one thread, so one child left all but one core idle."""
+    The distinct launches are dealt out to one child process per core left to this pytest worker, each with its
+    own empty Triton cache: Triton compiles on one thread, so one child would leave the other cores idle, and
+    more children than cores would only take turns."""
     launches = {case: aot.record_launches(run) for case, run in CASES.items()}
     distinct = list({launch.key(): launch for case in launches.values() for launch in case}.values())
-    children = max(1, min(len(os.sched_getaffinity(0)), len(distinct)))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))   # pytest-xdist workers share the cores
+    children = max(1, min(len(os.sched_getaffinity(0)) // workers, len(distinct)))
     caches = [tmp_path_factory.mktemp("triton_cache") for _ in range(children)]
     with ThreadPoolExecutor(children) as pool:   # each thread waits on its child process
         shares = pool.map(lambda k: aot.compile_in_subprocess(distinct[k::children], ARCH, cache_dir=caches[k]),
@@ -271,8 +273,8 @@ def test_recorded_launches_cover_every_kernel(compiled):
                          f"a GPU: {sorted(missing)}; add a case to CASES that launches them")
 
 
-# Loops that session 8's H200 A/B found faster software-pipelined (benchmarks/results/README.md), at the rank
-# where they are; compiled for sm_90 without `tl.range(..., num_stages=...)` these loops had no async copies.
+# Loops that are faster software-pipelined on an H200 (2026-11-30_h200_mamba3_loop_stages_ab.json), at the rank
+# where they are: compiled for sm_90 without `tl.range(..., num_stages=...)` a loop has no async copies.
 PIPELINED = {"mamba3_chunk_scan-r1": ("angle_cumsum_fwd_kernel", "angle_cumsum_bwd_kernel", "rotary_qk_bwd_kernel")}
 
 
