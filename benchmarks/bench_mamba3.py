@@ -24,11 +24,18 @@ pairs (rope_fraction 0.5), bf16 activations, fp32 step sizes, biases and angles.
   with ``--blocks-only``, nothing else.
 * decode: one ``mamba3_step`` for r = 1, 2, 4, 8 at batch ``--decode-batch`` (state read and written once a
   step), with its time (eager, and replayed as a CUDA graph) and the bytes it moves per step.
-* For ``gpu_run.sh`` steps, not run by ``main``: :func:`step_kernel_rates` (the step kernel's own duration over
-  several layers' states, ``decode-kernel``), :func:`step_sweep` (its tile choices, ``decode-sweep``) and
-  :func:`step_register_sweep` (its register cap, ``decode-regs``).
 
     python benchmarks/bench_mamba3.py --out DIR [--profile] [--precompile-rival N]   # writes DIR/bench_mamba3.json
+
+Commands instead of that benchmark: the decode step alone, at batch ``--batch`` (64 unless given) and one layer of
+the 1024-wide block (h32 p64 g1 n128 a32); the first four write ``--out FILE`` (JSON: environment, command, rows).
+
+    decode               :func:`decode` at r = 1, 2, 4, with each CUDA-graph time over r = 1's
+    step-kernel-rates    :func:`step_kernel_rates`: the step kernel's own duration over 8 layers' states
+    step-sweep           :func:`step_sweep`: its tile choices
+    step-register-sweep  :func:`step_register_sweep`: its register cap
+    step-launches        two steps at r = 1, two at r = 4, no timing, no file: the program Nsight Compute profiles
+    check-mimo-rival     import mamba-ssm's TileLang MIMO kernels (what ``--mimo-rival`` runs); no GPU, no file
 """
 from __future__ import annotations
 
@@ -414,9 +421,69 @@ def reference_errors(x, mimo, dout, results):
     return errors
 
 
+# The decode-step commands' shape: h, p, g, n, a of one layer of the 1024-wide block (the scan's default heads)
+STEP_SHAPE = (32, 64, 1, 128, 32)
+
+
+def _write_rows(out: str, rows: list) -> None:
+    write(out, {"environment": environment(), "command": "bench_mamba3.py " + " ".join(sys.argv[1:]), "rows": rows})
+
+
+def decode_command(args) -> None:
+    rows = [decode(args.batch, *STEP_SHAPE, r) for r in (1, 2, 4)]
+    base = rows[0]["graph_ms"]
+    for row in rows:
+        graphed = isinstance(row["graph_ms"], float) and isinstance(base, float)
+        row["graph_over_r1"] = row["graph_ms"] / base if graphed else None
+        graph = f"{row['graph_ms'] * 1e3:.1f} us" if isinstance(row["graph_ms"], float) else row["graph_ms"]
+        print(f"decode b{args.batch} r={row['r']}: eager {row['ms'] * 1e3:.1f} us, graph {graph}, "
+              f"graph GB/s {row['graph_GB_per_s']}", flush=True)
+    _write_rows(args.out, rows)
+
+
+def step_launches(batch: int) -> None:
+    """Two decode steps at r = 1, then two at r = 4, untimed (the program ``ncu -c 4`` profiles)."""
+    from mambalab.ops import mamba3_step
+
+    h, p, g, n, a = STEP_SHAPE
+    with torch.no_grad():
+        for r in (1, 1, 4, 4):
+            tok, mimo = step_inputs(batch, h, p, g, n, a, r)
+            mamba3_step(random_ssm_state(batch, h, p, n, r, a), **tok, **mimo)
+    torch.cuda.synchronize()
+    print(f"ran 4 decode steps at batch {batch}: r = 1, 1, 4, 4")
+
+
+def check_mimo_rival() -> None:
+    """Exit non-zero, saying why, unless mamba-ssm's TileLang MIMO kernels import."""
+    from mambalab import oracle
+
+    try:
+        oracle.module("ops.tilelang.mamba3.mamba3_mimo")
+        import tilelang
+    except Exception as e:  # noqa: BLE001 - the reason is the report
+        sys.exit(f"mamba-ssm's MIMO kernels do not import: {type(e).__name__}: {e}")
+    print("tilelang", tilelang.__version__, "and mamba-ssm's MIMO kernels import")
+
+
+COMMANDS = {   # name: (what it runs, its help, its options)
+    "decode": (decode_command, "decode at r = 1, 2, 4, each CUDA-graph time over r = 1's", ("--batch", "--out")),
+    "step-kernel-rates": (lambda args: _write_rows(args.out, step_kernel_rates(args.batch, *STEP_SHAPE)),
+                          "the step kernel's own duration over 8 layers' states", ("--batch", "--out")),
+    "step-sweep": (lambda args: _write_rows(args.out, step_sweep(args.batch, *STEP_SHAPE)),
+                   "the step kernel's tile choices", ("--batch", "--out")),
+    "step-register-sweep": (lambda args: _write_rows(args.out, step_register_sweep(args.batch, *STEP_SHAPE)),
+                            "the step kernel's register cap", ("--batch", "--out")),
+    "step-launches": (lambda args: step_launches(args.batch),
+                      "two steps at r = 1, two at r = 4, untimed: the program Nsight Compute profiles", ("--batch",)),
+    "check-mimo-rival": (lambda args: check_mimo_rival(),
+                         "import mamba-ssm's TileLang MIMO kernels (what --mimo-rival runs); needs no GPU", ()),
+}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", required=True, help="directory for bench_mamba3.json")
+    ap.add_argument("--out", help="directory for bench_mamba3.json (required unless a command is given)")
     ap.add_argument("--shape", type=int, nargs=7, default=[4, 4096, 32, 64, 1, 128, 32],
                     metavar=("B", "L", "H", "P", "G", "N", "A"))
     ap.add_argument("--reps", type=int, default=5, help="repeated backward passes for the bit-pattern count")
@@ -437,9 +504,23 @@ def main():
     ap.add_argument("--blocks-only", action="store_true",
                     help="time the --blocks alone: skip the scans, the decode step and the rival's scans")
     add_precompile_arguments(ap)   # the rival autotunes ~190 configurations: compile them in parallel first
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", title="commands instead of the scan benchmark")
+    for name, (_, summary, options) in COMMANDS.items():
+        p = sub.add_parser(name, help=summary, description=summary)
+        if "--batch" in options:
+            p.add_argument("--batch", type=int, default=64,
+                           help=f"decode batch (default 64), at h, p, g, n, a = {', '.join(map(str, STEP_SHAPE))}")
+        if "--out" in options:
+            p.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args()
+    if args.command == "check-mimo-rival":
+        return check_mimo_rival()
     if not torch.cuda.is_available():
         sys.exit("bench_mamba3 needs a CUDA GPU")
+    if args.command:
+        return COMMANDS[args.command][0](args)
+    if not args.out:
+        ap.error("--out DIR is required without a command")
     if args.compile_part:
         compile_part(args.compile_part, args.shape)
         return
