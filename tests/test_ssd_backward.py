@@ -110,7 +110,8 @@ def test_tiles_smaller_than_the_chunk():
     b, l, h, p, g, n, q = 1, 40, 2, 20, 1, 20, 32
     inp = make_inputs(b, l, h, p, g, n, D="hp")
     cfg = kernels.TileConfig(chunk_size=q, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64,
-                             num_warps=4)
+                             num_warps=4, bwd_block_t=16, bwd_num_warps=4, states_block_t=16, states_num_warps=4,
+                             sweep_bwd_block_p=16)
     kw = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
     dout, dfinal = cotangents(b, l, h, p, n)
     fwd = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, **{k: inp[k] for k in NAMES[5:]}, cfg=cfg, **kw)
@@ -128,7 +129,7 @@ def test_the_16_bit_rule_tiles():
     b, l, h, p, g, n, q = 1, 200, 2, 8, 1, 16, 128
     inp = make_inputs(b, l, h, p, g, n, D="h")
     cfg = kernels.tile_config(h, p, n, q, torch.bfloat16)
-    assert cfg.backward_block_t == 64
+    assert cfg.bwd_block_t == 64
     kw = dict(dt_softplus=True, dt_limit=(0.0, math.inf))
     dout, dfinal = cotangents(b, l, h, p, n)
     fwd = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, **{k: inp[k] for k in NAMES[5:]}, cfg=cfg, **kw)

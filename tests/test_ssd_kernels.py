@@ -175,7 +175,8 @@ def test_tiles_smaller_than_the_problem():
     b, l, h, p, g, n, q = 1, 40, 2, 20, 1, 20, 32
     inp = make_inputs(b, l, h, p, g, n, D="hp")
     cfg = kernels.TileConfig(chunk_size=q, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64,
-                             num_warps=4)
+                             num_warps=4, bwd_block_t=16, bwd_num_warps=4, states_block_t=16, states_num_warps=4,
+                             sweep_bwd_block_p=16)
     kw = dict(D=inp["D"], z=inp["z"], dt_bias=inp["dt_bias"], initial_states=inp["initial_states"], dt_softplus=True)
     res = kernels.ssd_chunk_scan_fwd(*(inp[k] for k in NAMES[:5]), q, cfg=cfg, **kw)
     ref_in = cpu(inp)
@@ -264,40 +265,42 @@ def test_tile_rule():
     cfg = kernels.tile_config(h=24, p=64, n=128, chunk_size=256)               # fp32 (the default dtype)
     assert (cfg.block_t, cfg.block_h, cfg.block_p, cfg.block_n, cfg.block_k, cfg.block_pn) == (
         64, 16, 64, 128, 64, 1024)
-    assert (cfg.backward_block_t, cfg.backward_num_warps, cfg.num_warps) == (32, 4, 4)
+    assert (cfg.bwd_block_t, cfg.bwd_num_warps, cfg.num_warps) == (32, 4, 4)
     for dtype in (torch.bfloat16, torch.float16):                               # pinned per dtype: 16-bit operands
         half = kernels.tile_config(24, 64, 128, 256, dtype)
         assert (half.block_t, half.block_p, half.block_n) == (cfg.block_t, cfg.block_p, cfg.block_n)
-        assert (half.backward_block_t, half.backward_num_warps, half.num_warps) == (64, 4, 8)
-    assert kernels.tile_config(24, 64, 128, 32, torch.bfloat16).backward_block_t == 32   # never beyond the chunk
+        assert (half.bwd_block_t, half.bwd_num_warps, half.num_warps) == (64, 4, 8)
+    assert kernels.tile_config(24, 64, 128, 32, torch.bfloat16).bwd_block_t == 32   # never beyond the chunk
     # fp32: the chunk states' own positions a step and warps, the chunk-scan forward unpipelined; 16-bit: the
     # forward's block_t and warps, Triton's 3 stages
-    assert (cfg.chunk_states_block_t, cfg.chunk_states_num_warps, cfg.num_stages, cfg.bwd_num_stages) == (32, 2, 1, 3)
-    assert (half.chunk_states_block_t, half.chunk_states_num_warps, half.num_stages) == (64, 8, 3)
-    assert kernels.tile_config(24, 64, 128, 16).chunk_states_block_t == 16                # never beyond the chunk
+    assert (cfg.states_block_t, cfg.states_num_warps, cfg.num_stages, cfg.bwd_num_stages) == (32, 2, 1, 3)
+    assert (half.states_block_t, half.states_num_warps, half.num_stages) == (64, 8, 3)
+    assert kernels.tile_config(24, 64, 128, 16).states_block_t == 16                # never beyond the chunk
     # the sweeps: the forward for 16-bit inputs and chunks of one block (the rule's warps); the backward 32
     # head dimensions a program
-    assert (cfg.sweep_forward, cfg.sweep_backward_block_p) == (False, 32)
+    assert (cfg.sweep_forward, cfg.sweep_bwd_block_p) == (False, 32)
     # C Bᵀ formed once per group: fp32 with 8 or more heads a group; never for 16-bit inputs, nor when the
     # caller gives no group count
     assert [kernels.tile_config(24, 64, 128, 256, ngroups=g).precompute_cb for g in (1, 3, 4, 24)] == \
         [True, True, False, False]
     assert not cfg.precompute_cb and not kernels.tile_config(24, 64, 128, 256, torch.bfloat16, 1).precompute_cb
-    assert (half.sweep_forward, half.sweep_backward_block_p) == (False, 32)   # q = 256
+    assert (half.sweep_forward, half.sweep_bwd_block_p) == (False, 32)   # q = 256
     assert kernels.tile_config(24, 64, 128, 64, torch.bfloat16).sweep_forward
     assert not kernels.tile_config(24, 64, 128, 64).sweep_forward                               # fp32
-    assert kernels.tile_config(3, 16, 16, 16).sweep_backward_block_p == 16
+    assert kernels.tile_config(3, 16, 16, 16).sweep_bwd_block_p == 16
     small = kernels.tile_config(h=3, p=5, n=6, chunk_size=16, dtype=torch.bfloat16)
     assert (small.block_t, small.block_h, small.block_p, small.block_n, small.block_k, small.block_pn) == (
         16, 4, 16, 16, 16, 32)
     assert small.num_warps == 4                                                 # a small state tile: 4 warps
     assert kernels.tile_config(8, 80, 16, 64).block_p == 64                    # p = 80: two p-blocks
-    ok = dict(chunk_size=32, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64, num_warps=4)
+    ok = dict(chunk_size=32, block_t=16, block_h=1, block_p=16, block_n=32, block_k=16, block_pn=64, num_warps=4,
+              bwd_block_t=16, bwd_num_warps=4, states_block_t=16, states_num_warps=4, sweep_bwd_block_p=16)
     for change, words in ((dict(block_p=8), "block_p=8 must be at least 16"),
                           (dict(chunk_size=24), "power of two >= 16"),
                           (dict(block_t=64), "block_t=64 must be a power of two >= 16 dividing"),
-                          (dict(bwd_block_t=8), "backward_block_t=8 must be a power of two >= 16 dividing"),
-                          (dict(states_block_t=48), "chunk_states_block_t=48 must be a power of two >= 16 dividing"),
+                          (dict(bwd_block_t=8), "bwd_block_t=8 must be a power of two >= 16 dividing"),
+                          (dict(states_block_t=48), "states_block_t=48 must be a power of two >= 16 dividing"),
+                          (dict(sweep_bwd_block_p=8), "sweep_bwd_block_p=8 must be at least 16"),
                           (dict(block_k=64), "block_k=64 must divide")):
         with pytest.raises(ValueError, match=words):
             kernels.TileConfig(**dict(ok, **change))

@@ -99,8 +99,8 @@ def check_kernel_limits(b, l, h, p, n, g, chunk_size, dtype, device, backward, n
     count(f"the chunk states as rows of n, (b, c, h, p) = ({b}, {c}, {h}, {p})", b * c * h * p, bsz, split_b)
     if not backward:
         return
-    bt = cfg.backward_block_t
-    grid("the SSD backward sweep", (b, h * cdiv(p, cfg.sweep_backward_block_p)), (bsz, hsz), split_h)
+    bt = cfg.bwd_block_t
+    grid("the SSD backward sweep", (b, h * cdiv(p, cfg.sweep_bwd_block_p)), (bsz, hsz), split_h)
     grid("the SSD chunk-scan backward", (b, c, h * (chunk_size // bt)), (bsz, csz, hsz), split_h)
     for what, partials in (("dA and d dt_bias", b * c), ("dD", b * c * (chunk_size // bt))):
         if partials > 32:

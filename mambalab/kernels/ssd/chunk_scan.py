@@ -523,7 +523,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
                    dot_precision: str = "ieee", bc_dtype: torch.dtype = torch.float32, same=None, step: int = 0,
                    seq_idx=None):
     """Launch the chunk backward (steps 3 and 1): the rows kernel, then the columns kernel, each with one
-    program per (batch row, chunk, head, block of backward_block_t positions). Returns (dx in x's dtype,
+    program per (batch row, chunk, head, block of bwd_block_t positions). Returns (dx in x's dtype,
     dz or None, dB, dC (b, l, g, n), dD fp32 (D's shape) or None, ddelta, dcs_row, dcs_col, dws
     (b, h, c, q) fp32). dB and dC are fp32, except with ``bc_dtype`` where nothing is summed over programs
     (g = h, deterministic): each program's fp32 tile is then written once, rounded to ``bc_dtype``. With
@@ -533,7 +533,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     c, q = delta.shape[2], delta.shape[3]
-    block_t = cfg.backward_block_t
+    block_t = cfg.bwd_block_t
     if step and block_t % step:
         raise ValueError(f"a step's {step} positions must not straddle a backward block of {block_t}")
     n_tblocks = q // block_t
@@ -559,7 +559,7 @@ def chunk_scan_bwd(dout, x, B, C, delta, cs, entering, dstates, D, z, cfg: TileC
     flags = dict(STEP=step, HAS_SEQ=seq_idx is not None, CB_PRE=cb is not None, HAS_D=D is not None,
                  D_PER_DIM=D is not None and D.dim() == 2, HAS_Z=z is not None, REDUCE_ATOMIC=atomic, BLOCK_T=block_t,
                  BLOCK_P=backward_block_p(p), BLOCK_N=cfg.block_n, Q=q, DOT_PRECISION=dot_precision,
-                 num_warps=cfg.backward_num_warps, num_stages=cfg.bwd_num_stages)
+                 num_warps=cfg.bwd_num_warps, num_stages=cfg.bwd_num_stages)
     D_arg, z_arg = (D if D is not None else x), (z if z is not None else x)
     seq_arg = seq_idx if seq_idx is not None else delta
     cb_arg = cb if cb is not None else delta

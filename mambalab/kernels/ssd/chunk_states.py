@@ -110,8 +110,8 @@ def chunk_states_fwd(x, B, delta, cs, cfg: TileConfig, dot_precision: str = "iee
     chunk_states_fwd_kernel[grid](
         x, B, delta, cs, states, seq_idx if seq_idx is not None else delta,
         h, p, n, l, g, c, HAS_SEQ=seq_idx is not None,
-        BLOCK_T=cfg.chunk_states_block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, Q=cfg.chunk_size,
-        DOT_PRECISION=dot_precision, num_warps=cfg.chunk_states_num_warps,
+        BLOCK_T=cfg.states_block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, Q=cfg.chunk_size,
+        DOT_PRECISION=dot_precision, num_warps=cfg.states_num_warps,
     )
     return states
 
@@ -190,7 +190,7 @@ def varlen_states_fwd(x, B, delta, cs, entering, seq_idx, cu_seqlens, cfg: TileC
     varlen_states_fwd_kernel[grid](
         x, B, delta, cs, entering, seq_idx if seq_idx is not None else cu_seqlens, cu_seqlens, out,
         h, p, n, l, g, c, HAS_SEQ=seq_idx is not None,
-        BLOCK_T=cfg.chunk_states_block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, Q=cfg.chunk_size,
-        DOT_PRECISION=dot_precision, num_warps=cfg.chunk_states_num_warps,
+        BLOCK_T=cfg.states_block_t, BLOCK_P=cfg.block_p, BLOCK_N=cfg.block_n, Q=cfg.chunk_size,
+        DOT_PRECISION=dot_precision, num_warps=cfg.states_num_warps,
     )
     return out

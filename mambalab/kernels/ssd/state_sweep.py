@@ -267,13 +267,13 @@ def state_sweep_bwd(dout, z, C, cs, entering, dfinal, has_init: bool, cfg: TileC
     """Launch the backward sweep (module docstring). dout, z (b, l, h, p) contiguous; C (b, l, g, n); cs
     (b, h, c, q) fp32; entering (b, c, h, p, n) as the forward stored it; dfinal (b, h, p, n) fp32 or None;
     seq_idx (b, l) int32 contiguous or None.
-    ``block_p`` and ``num_warps`` default to the tile rule's (cfg.sweep_backward_block_p, cfg.num_warps).
+    ``block_p`` and ``num_warps`` default to the tile rule's (cfg.sweep_bwd_block_p, cfg.num_warps).
     Returns (dstates (b, c, h, p, n) in entering's dtype, dinit (b, h, p, n) fp32 or None, da (b, h, c)
     fp32)."""
     b, c, h, p, n = entering.shape
     l, g = dout.shape[1], C.shape[2]
     q = cs.shape[3]
-    block_p = block_p or cfg.sweep_backward_block_p
+    block_p = block_p or cfg.sweep_bwd_block_p
     n_pblocks = triton.cdiv(p, block_p)
     atomic = reduction == "atomic"
     f32 = dict(device=dout.device, dtype=torch.float32)
