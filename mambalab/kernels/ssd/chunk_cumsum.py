@@ -8,8 +8,11 @@ Math (per batch row, head h, chunk c; positions t = 0 … q-1 of the chunk):
 
 Positions past the sequence end (the last chunk's padding) get Δ = 0: they neither decay nor feed the
 state, so cs stays flat there and cs_{q-1} is the decay of the whole chunk. The cumsum restarts in every
-chunk, so cs never grows beyond one chunk's decay and the later steps may take differences cs_t - cs_s
-(t ≥ s) without the cancellation that :func:`mambalab.ref.ssd.segsum_naive` shows for whole sequences.
+chunk, so |cs| never exceeds one chunk's decay. The later steps take differences cs_t - cs_s (t ≥ s), which
+still cancel: each keeps an error of about ulp(|cs|) (:func:`mambalab.ref.ssd.segsum_naive`), so the precision
+lost is bounded by q steps' decay instead of the whole sequence's, not removed. mamba-ssm does the same: a
+per-chunk ``tl.cumsum`` in ssd_chunk_state.py's ``_chunk_cumsum_fwd_kernel``, differenced in ssd_chunk_scan.py's
+``_chunk_scan_fwd_kernel``.
 
 Shapes: dt (b, l, h) contiguous, A (h,) fp32, dt_bias (h,) -> Δ and cs, each (b, h, c, q) fp32.
 One program: one batch row, one chunk, BLOCK_H heads (a (BLOCK_H, q) tile; tl.cumsum along q).
