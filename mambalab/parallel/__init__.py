@@ -8,10 +8,12 @@
 * :mod:`~mambalab.parallel.lm`: :class:`TensorParallelMambaLM`.
 * :mod:`~mambalab.parallel.sharding`: which part of the full tensor each rank holds; shard and gather.
 * :mod:`~mambalab.parallel.grads`: the sequence-parallel and data-parallel gradient all-reduces.
+* :mod:`~mambalab.parallel.context`: context parallelism, one sequence split across ranks (SSD states, conv halo).
 
 Works with gloo (CPU processes) and NCCL (GPUs).
 """
 from mambalab.parallel.collectives import copy_to_tp, gather_along, reduce_from_tp, reduce_scatter_along
+from mambalab.parallel.context import context_parallel_conv1d, context_parallel_ssd, sum_over_ranks
 from mambalab.parallel.grads import allreduce_data_parallel_grads, allreduce_replicated_grads
 from mambalab.parallel.layout import ParallelLayout, check_divides, init_distributed, single_process_layout
 from mambalab.parallel.linear import ColumnParallelLinear, RowParallelLinear
@@ -25,4 +27,5 @@ __all__ = [
     "VocabParallelEmbedding", "allreduce_data_parallel_grads", "broadcast_parameters", "allreduce_replicated_grads", "check_divides",
     "copy_to_tp", "gather_along", "gather_full", "init_distributed", "load_full_state_dict", "reduce_from_tp",
     "reduce_scatter_along", "shard_specs", "single_process_layout", "vocab_parallel_cross_entropy",
+    "context_parallel_conv1d", "context_parallel_ssd", "sum_over_ranks",
 ]
