@@ -6,8 +6,9 @@
 #   .carry/tilelang-b   its dependencies (~34 MB; z3-solver is most of it)
 # On the GPU machine: one call carrying .carry/tilelang-a runs `SKIP_EXT=1 bash benchmarks/gpu_run.sh tilelang-a`,
 # and the next call, within the 30 s the machine stays warm, carries .whl and .carry/tilelang-b and runs e.g.
-# `M3_ARGS=--mimo-rival SKIP_EXT=1 M3_T=570 bash benchmarks/gpu_run.sh tilelang-b mamba3-bench` (about 5.5 min:
-# TileLang compiles each MIMO kernel for 30-60 s) or `... tilelang-b mamba3-tests` (about 4.5 min).
+# `SKIP_EXT=1 STEP_TIMEOUT=570 bash benchmarks/gpu_run.sh tilelang-b mamba3-bench` (mamba-ssm's MIMO kernels timed
+# too, once tilelang-b finds them importable; about 5.5 min: TileLang compiles each MIMO kernel for 30-60 s) or
+# `... tilelang-b mamba3-tests` (about 4.5 min).
 # apache-tvm-ffi 0.1.9 exactly: tilelang 0.1.8 allows any 0.1.x, but 0.1.10 and later break it (its TVM sets
 # attributes on objects that tvm-ffi now gives __slots__; see state-spaces/mamba#907), and 0.1.15 failed its
 # import on an H200 (2026-12-01: "attribute '__dict__' of 'type' objects is not writable").
