@@ -14,7 +14,7 @@ tiles come from the shape (:mod:`mambalab.kernels.ssd.tiles`), sums from :mod:`m
   returns the profile's ``name`` and ``multi_processor_count``; on a real GPU every other attribute is
   the real one's, the compute capability (``major``/``minor``) included: Triton picks the architecture it
   compiles for from ``get_device_capability``, and code compiled for the profile's architecture (sm_86,
-  sm_89) does not load on an sm_90 GPU (measured on an H200: "no kernel image is available"). On the CPU
+  sm_89) does not load on an sm_90 GPU (CUDA's "no kernel image is available"). On the CPU
   (no GPU) the call answers with the whole profile, its capability too, instead of raising, so the
   emulated values can be inspected;
 * on a real GPU, Triton's driver-level ``get_device_properties(...)["multiprocessor_count"]`` (what

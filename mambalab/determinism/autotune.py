@@ -111,8 +111,8 @@ def _install() -> None:
             def bench(*a, config, **kw):
                 stand_in = lambda kernel_call, quantiles: (kernel_call(), cost(config))[1]
                 # Triton 3.6 reads self.do_bench, a functools.cached_property over _do_bench: the first read
-                # caches whatever _do_bench was then, so setting _do_bench alone gave every candidate the
-                # first one's cost (every pick the first configuration, as seen on an H200)
+                # caches whatever _do_bench was then, so both are set (with _do_bench alone every candidate
+                # would get the first one's cost, and every pick would be the first configuration)
                 self._do_bench = self.__dict__["do_bench"] = stand_in
                 return triton_bench(self, *a, config=config, **kw)
 

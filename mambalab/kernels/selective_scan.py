@@ -35,10 +35,9 @@ and the block's share of dA (one slot a block, folded afterwards). Reading a col
 a select and a reduction over the whole tile; reading it from memory, one load.
 The adjoint's scan runs forward over the block read backwards (element s is step end - s): the block's
 Δ_{t+1} and dy are flipped once per block, C_t is read at reversed addresses, and the result is flipped
-back once per state index. In Triton 3.6's sm_90 PTX for the (4, 128) bf16 tile, a state index's loop
-issued 423 warp shuffles with ``associative_scan(..., reverse=True)`` and 171 this way (two forward scans
-and a flip); on the H200 the backward took 0.86 of the time in bf16 and 0.84 in fp32
-(``benchmarks/results/2026-11-30_h200_selective_scan_flip_ab.json``).
+back once per state index. In sm_90 PTX (Triton 3.6, the (4, 128) bf16 tile) a state index's loop issues
+171 warp shuffles this way and 423 with ``associative_scan(..., reverse=True)``
+(bf16 backward 0.86× the reverse scan's time: 2026-11-30_h200_selective_scan_flip_ab.json).
 Gradients that sum over programs (A over batch rows and blocks, D and delta_bias over the batch; B and C over
 channel blocks) are written as per-program partials and summed by :func:`mambalab.kernels.reduce.sum_partials`
 in a fixed order, so the backward is bitwise reproducible and independent of the GPU it runs on.

@@ -20,7 +20,7 @@ batch-64 decode), else 4 (small batches: more programs to fill the GPU). :func:`
 
 Strides are arguments, so broadcast inputs (stride 0, e.g. Mamba-2's per-head A expanded over (p, n)) cost no
 copy. ``A_IS_LOG``: the kernel reads the blocks' parameter A_log = log(-A) and forms A = -exp(A_log) itself, in
-fp32 (in a decode step that was three PyTorch kernels a layer: a cast, the exp, the negation).
+fp32 (in PyTorch, three kernels a layer: a cast, the exp, the negation).
 ``index`` (b,) optionally picks the state row each batch row updates (mamba-ssm's
 ``state_batch_indices``); a negative index marks a padding row: its output is zero and no state is touched.
 """

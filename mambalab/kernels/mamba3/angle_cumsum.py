@@ -26,10 +26,10 @@ Rows of a pairs are read and written where they lie in (b, l, h, a): no transpos
 cumsum along l needs to be fast (:func:`mambalab.ref.mamba3.cumulative_angle`, the reference).
 
 Tile rule (shape only): BLOCK_A = next_pow2(a) pairs, BLOCK_L = max(16, 4096 / BLOCK_A) positions a block.
-It replaces 4 PyTorch passes forward and 6 backward (0.083 and 0.126 ms against about 1 ms forward,
-2026-11-30_h200_mamba3_glue_profile.json). At b4 l4096 h32 a32 there are 128 programs, each walking its l
-positions in order, so the walk waits on its loads; fetching the next blocks while one is summed
-(:data:`LOOP_STAGES`) hides part of that wait.
+One pass each way replaces 4 PyTorch passes forward and 6 backward
+(forward 0.083 ms against about 1 ms: 2026-11-30_h200_mamba3_glue_profile.json). At b4 l4096 h32 a32 there
+are 128 programs, each walking its l positions in order, so the walk waits on its loads; fetching the next
+blocks while one is summed (:data:`LOOP_STAGES`) hides part of that wait.
 
 Shapes: angles (b, l, h, a) fp32, any strides (the module passes one row of angles expanded over the heads);
 dt (b, l, h) fp32 contiguous; initial (b, h, a) fp32 contiguous or None -> theta (b, l, h, a) fp32.

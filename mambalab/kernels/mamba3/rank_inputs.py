@@ -8,14 +8,14 @@ Math (per position t and head h; W^V the head's (r, p) up-projection, :func:`mam
                                                 :func:`mambalab.kernels.reduce.sum_partials` (fixed order)
 
 The product is formed in fp32 and rounded once to the output's dtype, as PyTorch's ``(v * W^V).to(dtype)``
-would; dv is summed over ranks in fp32 (rank 0 first) and rounded once to v's dtype. What this replaces: in
-PyTorch, the product in fp32 (b, l, r, h, p), a copy to the kernels' dtype, and in the backward a cast of dx
-to fp32, two products of that size and two reductions (about 3 ms of GPU time a step at MIMO r = 4, b4 l4096
-h32 p64: the results log, 2026-11-30).
+would; dv is summed over ranks in fp32 (rank 0 first) and rounded once to v's dtype. One pass each way
+replaces PyTorch's product in fp32 (b, l, r, h, p) and its copy to the kernels' dtype, and in the backward a
+cast of dx to fp32, two products of that size and two reductions
+(about 3 ms of GPU time a step at MIMO r = 4, b4 l4096 h32 p64: results log, 2026-11-30).
 
 Tile rule (shape only): programs are (block of BLOCK_T = 128 positions of the flattened b·l axis, head), each
-with the whole head dimension (BLOCK_P = next_pow2(p), at least 16); a loop over ranks; 4 warps (backward
-0.174 ms against 0.218 at 64 positions, 8 warps slower: the results log, 2026-11-30).
+with the whole head dimension (BLOCK_P = next_pow2(p), at least 16); a loop over ranks; 4 warps
+(backward 0.174 ms against 0.218 at 64 positions, 8 warps slower at each: results log, 2026-11-30).
 
 Shapes: v (T, h, p); W^V (h, r, p) fp32; x, dx (T, r, h, p), which is (b, l·r, h, p) laid out as the
 rank-expanded SSD reads it; dv (T, h, p) in v's dtype; dW^V (h, r, p) fp32.

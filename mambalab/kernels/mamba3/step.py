@@ -12,8 +12,7 @@ this kernel is checked against):
 Rot turns the pairs (2i, 2i+1) by θ'_i (i < a): the kernel keeps every n-vector and the state as its even and
 odd columns, (BLOCK_P, N/2) tiles, so rotating is elementwise. Rows are read and written whole (contiguous) and
 split into their pairs in registers (``tl.reshape`` + ``tl.split``, ``tl.join`` back), as the rotary kernels do,
-rather than read at a stride of two (10.0 µs against 41.6, 2026-11-30_h200_mamba3_step_rows_ab.json). The two
-layouts give the same state; the outputs differ in the order of the sum over n (0.01 % of them by one bf16 step).
+rather than read at a stride of two (10.0 µs against 41.6: 2026-11-30_h200_mamba3_step_rows_ab.json).
 A decode step reads the whole state once and does O(R p n) work on it: it is memory-bound for small R,
 which is what MIMO's R > 1 puts to use.
 
@@ -245,11 +244,9 @@ def mamba3_step_kernel(
 def step_config(b: int, h: int, p: int, r: int) -> dict:
     """The launch's tile choices (shape only). r = 1: BLOCK_P = min(16, next_pow2(p)), 2 warps, the rank loop
     on the state split into pairs. r >= 2: BLOCK_P = min(8, next_pow2(p)), 1 warp, the state streamed past the
-    caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT).
+    caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT). No shape picks RANK_TILE.
 
-    r = 1: 45.1 µs, no choice faster; r = 2: 53.2 against 64.8 with r = 1's; r = 4: 72.5 against 111.9
-    (batch 64, h32 p64 n128: benchmarks/results/2026-12-03_h200_mamba3_step_sweep_flat.json). The rank tile
-    (RANK_TILE) stays for the sweeps; no shape measured picks it.
+    Batch 64, h32 p64 n128, r = 4: 72.5 µs against 111.9 at r = 1's (2026-12-03_h200_mamba3_step_sweep_flat.json).
     """
     if r == 1:
         return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, RANK_TILE=False, FLAT=False,

@@ -132,9 +132,9 @@ def state_sweep_fwd_kernel(
             cb = tl.dot(Ct, tl.trans(Bt), input_precision=DOT_PRECISION)
             L = tl.exp(tl.where(causal, cs_t[:, None] - cs_t[None, :], float("-inf")))
             if STEP > 0:
-                # the SSD's causal weights, then the step's own block overwritten with its γ (the same W as
-                # chunk_scan._intra_weights; this form keeps fewer masks live: MIMO r = 4's forward 2.61 ms
-                # against 2.81 on an H200, benchmarks/results/2026-12-01_h200_ssd_same_step_forms_ab.json)
+                # the SSD's causal weights, then the step's own block overwritten with its γ: the same W as
+                # chunk_scan._intra_weights, in a form that keeps fewer masks live
+                # (MIMO r = 4 forward 2.61 ms against 2.81: 2026-12-01_h200_ssd_same_step_forms_ab.json)
                 W = tl.where(_same_step(offs_t, offs_t, STEP), tl.load(same_ptr + chunk + offs_t)[:, None],
                              L * delta_t[None, :])
                 if HAS_SEQ:
