@@ -19,12 +19,12 @@ the gradient of rank r-1's final state, sent from r to r-1.
     forward   rank r-1 --(final state, (b, h, p, n) fp32)--> rank r
     backward  rank r-1 <--(its gradient, (b, h, p, n) fp32)-- rank r
 
-4 · b · h · p · n bytes each way per cut (b = 1, h = 80, p = 64, n = 128, mamba2-2.7b's heads: 2.6 MB).
+4 · b · h · p · n bytes each way per cut (b = 1 and mamba2-2.7b's h = 80, p = 64, n = 128: 2.6 MB).
 
 *Why the bits are the single process's* (cuts on chunk edges, either reduction on the CPU, "deterministic" on
 a GPU). Each of the scan's steps works on one chunk at a time: the chunk's cumsum, its state S_c, its outputs
 from H_c, and in the backward its gradients from G_{c+1} all read that chunk's inputs and nothing else, with
-tile sizes that depend on (h, p, n, q, dtype), not on l. The state passing keeps H in fp32 and starts from
+tile sizes that depend on (h, p, n, q, dtype), never on b or l (:mod:`mambalab.kernels.ssd.tiles`). The state passing keeps H in fp32 and starts from
 initial_states loaded as fp32; the final state it hands on is that same fp32 value. So rank r's chunks see the
 same H_c, in the same dtype, as the single process's chunks at those positions, and do the same operations:
 ``out``, the final state and the per-position gradients (dx, ddt, dB, dC, dz) equal the single process's bit
@@ -47,7 +47,9 @@ the head of rank r's, and every chunk after it starts at a different position: t
 differently, so agreement is to the chunked algorithm's rounding, not bitwise.
 
 *Cost.* The ring is serial: rank r starts its scan when rank r-1's is done, and the backward runs from the
-last rank to the first. Memory is split R ways; time is that of one process plus R - 1 hops. The kernel-level
+last rank to the first. Memory is split R ways; time is that of one process plus R - 1 hops. Each call also
+all-gathers a few integers (the shapes, and whether any rank records autograd) so that a bad input raises on
+every rank instead of leaving the others waiting. The kernel-level
 split (every rank computing its S_c and, after a ring of the cheap state passing alone, its outputs, all in
 parallel) needs the op to take the entering state apart from its chunk states: a forward hook returning
 (S, cs) without the scan, and a scan launch from given entering states.

@@ -6,6 +6,8 @@ the whole against the single-process op and writes {name: what it measured} to O
 * ``ssd``: :func:`context_parallel_ssd` against :func:`mambalab.ops.ssd_chunk_scan`, out, the final state and
   every gradient, in both reductions, for each split of :func:`splits`.
 * ``conv``: :func:`context_parallel_conv1d` against :func:`mambalab.ops.conv1d.causal_conv1d_fn`, likewise.
+* ``partial_grad``: the CP = 4 edge split without autograd (torch.no_grad()), and with only the last rank's x
+  requiring grad (every rank must still run the backward's ring): out and the last piece's dx.
 * ``errors``: the messages every rank raises for a piece too short for the halo and for heads that disagree.
 
 The splits of the l = 64 positions (chunk_size 16): with 4 ranks, pieces of 16 (cuts on chunk edges) and of
@@ -121,6 +123,34 @@ def ssd(device, groups, out: dict) -> None:
                 out[f"{reduction}/{name}"] = _compare(got, want)
 
 
+def partial_grad(device, groups, out: dict) -> None:
+    b, h, p, g, n = SSD["b"], SSD["h"], SSD["p"], SSD["g"], SSD["n"]
+    gen = torch.Generator().manual_seed(2)
+    x, dt = torch.randn(b, L, h, p, generator=gen).to(device), torch.randn(b, L, h, generator=gen).to(device)
+    A = (-torch.rand(h, generator=gen) - 0.5).to(device)
+    B, C = (torch.randn(b, L, g, n, generator=gen).to(device) for _ in range(2))
+    w_out = torch.randn(b, L, h, p, generator=gen).to(device)
+    r, world = dist.get_rank(), dist.get_world_size()
+    piece = slice(r * L // world, (r + 1) * L // world)   # cuts on chunk edges (16 positions with 4 ranks)
+    with torch.no_grad():
+        y = context_parallel_ssd(x[:, piece], dt[:, piece], A, B[:, piece], C[:, piece], CHUNK)
+    xs = x[:, piece].clone().requires_grad_(r == world - 1)
+    y_grad = context_parallel_ssd(xs, dt[:, piece], A, B[:, piece], C[:, piece], CHUNK)
+    (y_grad * w_out[:, piece]).sum().backward()   # on ranks whose inputs need no grad too: the ring's backward
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"out": y.cpu(), "out_grad_mode": y_grad.detach().cpu(),
+                                      "dx": xs.grad.cpu() if xs.grad is not None else None})
+    if r != 0:
+        return
+    xs = x.clone().requires_grad_()
+    want = ssd_chunk_scan(xs, dt, A, B, C, CHUNK)
+    (want * w_out).sum().backward()
+    out["no_grad_out"] = torch.equal(torch.cat([g["out"] for g in gathered], dim=1), want.detach().cpu())
+    out["grad_out"] = torch.equal(torch.cat([g["out_grad_mode"] for g in gathered], dim=1), want.detach().cpu())
+    out["dx_last"] = torch.equal(gathered[-1]["dx"], xs.grad[:, (world - 1) * L // world:].cpu())
+    out["dx_others_none"] = all(g["dx"] is None for g in gathered[:-1])
+
+
 def conv(device, groups, out: dict) -> None:
     b, d, width = CONV["b"], CONV["d"], CONV["width"]
     gen = torch.Generator().manual_seed(1)
@@ -188,7 +218,7 @@ if __name__ == "__main__":
     result = {}
     for part in names.split(","):
         result[part] = {}
-        {"ssd": ssd, "conv": conv, "errors": errors}[part](device, groups, result[part])
+        {"ssd": ssd, "conv": conv, "partial_grad": partial_grad, "errors": errors}[part](device, groups, result[part])
     if dist.get_rank() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "rank0.json").write_text(json.dumps(result))

@@ -38,7 +38,7 @@ def _launch(tmp: Path, nproc: int, names: str, backend: str = "gloo") -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("cp"), 4, "ssd,conv,errors")
+    return _launch(tmp_path_factory.mktemp("cp"), 4, "ssd,conv,partial_grad,errors")
 
 
 def _close(result: dict, names, rtol: float = RANK_SUMS_RTOL) -> dict:
@@ -72,6 +72,13 @@ def test_conv_halo_gives_the_single_process_bits_for_out_and_dx(four_ranks):
         got = four_ranks["conv"][split]
         assert got["out"]["bitwise"] and got["dx"]["bitwise"], (split, got)
         assert not _close(got, ("dweight", "dbias")), split
+
+
+def test_without_autograd_and_with_grad_on_one_rank_only(four_ranks):
+    """Under no_grad nothing is sent back; with only the last rank's x requiring grad, the other ranks still run
+    the backward's ring (the function records it on every rank if any rank records)."""
+    got = four_ranks["partial_grad"]
+    assert got == {"no_grad_out": True, "grad_out": True, "dx_last": True, "dx_others_none": True}
 
 
 def test_bad_input_on_one_rank_raises_on_every_rank(four_ranks):
