@@ -32,7 +32,7 @@ import mambalab  # noqa: E402,F401  (before triton)
 from common import distinct_patterns, environment, write  # noqa: E402
 from mambalab import oracle  # noqa: E402
 from mambalab.determinism import ARCH_PROFILES, emulate, fingerprint  # noqa: E402
-from mambalab.determinism.experiments import ssd_gradients, ssd_inputs, time_ssd_fwd_bwd  # noqa: E402
+from mambalab.determinism.ssd_variation import ssd_gradients, ssd_inputs, time_ssd_fwd_bwd  # noqa: E402
 
 SHAPE, CHUNK = (4, 4096, 32, 64, 1, 128), 256
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -22,7 +22,7 @@ import torch
 
 import mambalab
 from mambalab import aot, device
-from mambalab.determinism.experiments import atomic_sum
+from mambalab.determinism.atomics import atomic_sum
 from mambalab.ops import mamba3_chunk_scan, mamba3_step, selective_scan, ssd_chunk_scan, ssd_chunk_scan_forward
 from mambalab.kernels.norm import gated_norm_fwd
 from mambalab.ops.conv_update import causal_conv1d_update

@@ -1,4 +1,4 @@
-"""The determinism chapters' helpers: mambalab.determinism.experiments (float sums in an order, the atomic-add
+"""The determinism chapters' helpers: mambalab.determinism's experiment modules (float sums in an order, the atomic-add
 demo kernel and its landing order, gradient variation tables, mamba-ssm's SM-count split, fingerprint
 matrices, two-machine training) and mambalab.viz.determinism_plots (figures, tables, the sum-order explorer).
 
@@ -7,7 +7,7 @@ On the CPU, run-to-run variation exists only under the seeded program-order simu
 import pytest
 import torch
 
-from mambalab.determinism import experiments as ex
+from mambalab import determinism as ex
 from mambalab.viz import determinism_plots as dp
 
 from conftest import KERNEL_DEVICE, requires_gpu

@@ -13,7 +13,8 @@ import mambalab  # noqa: F401  (before triton)
 import triton
 from mambalab import oracle
 from mambalab.determinism import ARCH_PROFILES, emulate, fingerprint, shuffled_program_order
-from mambalab.determinism.experiments import gradient_variation, mamba_ssm_norm_split, ssd_gradients, ssd_inputs
+from mambalab.determinism.mamba_ssm_splits import mamba_ssm_norm_split
+from mambalab.determinism.ssd_variation import gradient_variation, ssd_gradients, ssd_inputs
 from mambalab.exercises import ch04, ch05, ch06
 from mambalab.modules.lm import LMConfig
 from mambalab.viz.determinism_plots import source_excerpt

@@ -65,7 +65,7 @@ def head_split(answer, profile: str = "rtxa6000", b: int = 4, l: int = 4096, h: 
                chunk_size: int = 256) -> bool:
     """``answer``: (heads per program, partials summed) of mamba-ssm's dB/dC backward on ``profile``."""
     from mambalab.determinism import ARCH_PROFILES
-    from mambalab.determinism.experiments import mamba_ssm_head_split
+    from mambalab.determinism.mamba_ssm_splits import mamba_ssm_head_split
 
     if not_attempted(answer):
         return False
@@ -84,7 +84,7 @@ def norm_row_blocks(answer, profile: str = "rtxa6000", rows: int = 256, d: int =
     """``answer``: (programs, rows per program) of mamba-ssm's gated RMSNorm backward on ``profile``
     (``nrow_groups`` and ``rows_per_program`` in ``layernorm_gated._layer_norm_bwd``)."""
     from mambalab.determinism import ARCH_PROFILES
-    from mambalab.determinism.experiments import mamba_ssm_norm_split
+    from mambalab.determinism.mamba_ssm_splits import mamba_ssm_norm_split
 
     if not_attempted(answer):
         return False

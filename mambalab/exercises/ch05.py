@@ -22,7 +22,7 @@ def bit_patterns_expected(impl: str, profiles=QUOTED_PROFILES, b: int = 4, l: in
     """Distinct dB bit patterns over ``profiles`` in a deterministic mode, autotuning pinned: for mamba-ssm one
     per distinct (heads per program, splits) of its dB/dC backward, for mambalab one."""
     from mambalab.determinism import ARCH_PROFILES
-    from mambalab.determinism.experiments import mamba_ssm_head_split
+    from mambalab.determinism.mamba_ssm_splits import mamba_ssm_head_split
 
     if impl == "mambalab":
         return 1

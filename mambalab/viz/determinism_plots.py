@@ -14,7 +14,8 @@
   containing one string to the next containing another, with a caption naming the file and lines.
 
 Every figure builder returns a ``plotly.graph_objects.Figure`` with a title, labelled axes and units.
-The computations they draw live in :mod:`mambalab.determinism.experiments`.
+The computations they draw live in :mod:`mambalab.determinism`'s experiment modules (float_sums, atomics,
+ssd_variation, mamba_ssm_splits, norms, two_machines).
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from mambalab.determinism.experiments import AtomicSumRun, float_bits, ordered_sum
+from mambalab.determinism.atomics import AtomicSumRun
+from mambalab.determinism.float_sums import float_bits, ordered_sum
 
 __all__ = ["Table", "bits_html", "source_excerpt", "cost_figure", "landing_order_figure", "loss_curves_figure", "sum_order_explorer",
            "split_groupings_figure", "sum_order_figure", "table"]
@@ -256,11 +258,11 @@ def cost_figure(times_ms: Mapping[str, float], baseline: str, title: str) -> go.
 
 def split_groupings_figure(b: int, l: int, h: int, g: int, chunk_size: int) -> go.Figure:
     """Bars over the GPU profiles of :data:`mambalab.determinism.ARCH_PROFILES`: the heads each program of
-    mamba-ssm's dB/dC backward sums (:func:`mambalab.determinism.experiments.mamba_ssm_head_split`), coloured
+    mamba-ssm's dB/dC backward sums (:func:`mambalab.determinism.mamba_ssm_splits.mamba_ssm_head_split`), coloured
     by grouping (one colour per distinct (heads per program, partials) pair: each is one bit pattern of dB and
     dC), and mambalab's, which is h / g heads folded in head order on every GPU."""
     from mambalab.determinism import ARCH_PROFILES
-    from mambalab.determinism.experiments import mamba_ssm_head_split
+    from mambalab.determinism.mamba_ssm_splits import mamba_ssm_head_split
 
     c = -(-l // chunk_size)
     names = [p.name.replace("NVIDIA ", "") + f" ({p.sm_count} SMs)" for p in ARCH_PROFILES.values()]
