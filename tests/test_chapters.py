@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from mambalab import chapters
+from mambalab.workbook import chapters
 
 ROOT = Path(__file__).resolve().parents[1]
 

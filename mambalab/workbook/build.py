@@ -29,7 +29,7 @@ from jupyter_client.manager import AsyncKernelManager
 from traitlets import TraitError
 
 #: The repository root when mambalab is installed from a checkout (``pip install -e .``).
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 BUILD_DIR = ROOT / "build"
 CHAPTER_PATTERN = "[0-9][0-9]_*.ipynb"
@@ -103,12 +103,12 @@ def execute(path: str | Path, out_dir: str | Path, parameters: dict | None = Non
 def render_html(ipynb: str | Path, out_dir: str | Path) -> Path:
     """Render an executed notebook as one standalone HTML page ``out_dir/<name>.html``; returns its path.
 
-    The page needs no network (:mod:`mambalab.pages`): math as MathML, widgets as static HTML, and figures
-    drawn by the plotly.js that :func:`mambalab.viz.notebook.setup` embedded in the notebook's outputs.
+    The page needs no network (:mod:`mambalab.workbook.pages`): math as MathML, widgets as static HTML, and
+    figures drawn by the plotly.js that :func:`mambalab.viz.notebook.setup` embedded in the notebook's outputs.
     """
     import nbformat
 
-    from mambalab import pages
+    from mambalab.workbook import pages
 
     ipynb = Path(ipynb)
     nb = nbformat.read(ipynb, as_version=4)

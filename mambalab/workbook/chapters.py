@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 README = ROOT / "README.md"
 BEGIN = "<!-- chapter table: written by `python -m mambalab.chapters` from the notebooks' metadata -->"
