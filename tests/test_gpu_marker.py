@@ -1,15 +1,21 @@
 """Every test that skips on a CPU for lack of CUDA carries the ``gpu`` marker (pyproject.toml), so that
-``pytest -m gpu`` (benchmarks/gpu_run.sh's ``gpu-tests`` step) selects them all and ``-m "not gpu"`` none.
+``pytest -m gpu`` (benchmarks/gpu_run.sh's ``gpu-tests`` step) selects them all and ``-m "not gpu"`` none; and
+gpu_run.sh itself selects GPU tests by that marker alone, has one timeout, runs no inline Python, lists every step
+in its header, and has every step that the READMEs, chapters, tests and scripts quote.
 
 An AST scan of tests/, no import and no collection (well under a second): a GPU skip is a decorator, a
 ``pytestmark`` or a ``pytest.param(marks=…)`` that is ``requires_gpu`` or a ``skipif`` whose condition or reason
 names CUDA or a GPU, or a ``pytest.skip`` under an ``if`` that tests CUDA. Each must sit on a test (or class,
 or module) that is marked ``pytest.mark.gpu``, by decorator, class or module ``pytestmark``."""
 import ast
+import fnmatch
+import json
 import re
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+GPU_RUN = ROOT / "benchmarks" / "gpu_run.sh"
 GPU_WORDS = re.compile(r"cuda|gpu", re.IGNORECASE)
 
 
@@ -112,3 +118,50 @@ def test_the_scan_finds_each_kind_of_gpu_skip(tmp_path):
     name = f"{tmp_path.name}/test_sample.py::test_"
     assert unmarked_gpu_tests(tmp_path) == [name + "a", name + "c", name + "d", name + "e (a pytest.param's marks)",
                                             name + "j"]
+
+
+def _gpu_run_steps(text: str) -> list[str]:
+    """The case labels of gpu_run.sh's step loop (patterns such as ``nb-*``), without the catch-all."""
+    return [label for m in re.finditer(r"(?m)^ {4}([a-z0-9*|-]+)\)", text) for label in m.group(1).split("|")
+            if label != "*"]
+
+
+def test_gpu_run_selects_gpu_tests_by_the_marker_with_one_timeout_and_no_inline_python():
+    text = GPU_RUN.read_text()
+    code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    assert "run_pytest -v -m gpu tests " in code   # gpu-tests: every marked test
+    pytest_calls = re.findall(r"run_pytest (.*)", code)
+    assert pytest_calls and not [c for c in pytest_calls if re.search(r"(^|\s)-k\b", c)]
+    assert all(c.split("-m ", 1)[1].startswith("gpu ") for c in pytest_calls if "-m " in c)
+    assert not re.search(r"python3? -c\b", code)
+    settings = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*):-", code))
+    assert {s for s in settings if "TIMEOUT" in s or s.endswith("_T")} == {"STEP_TIMEOUT"}, settings
+    assert not re.search(r"\btimeout \d", code), "a step's timeout is STEP_TIMEOUT's, through within()"
+
+
+def test_gpu_run_header_lists_every_step_once():
+    text = GPU_RUN.read_text()
+    header = text[text.index("# Steps"):text.index("\nset -uo")]
+    listed = re.findall(r"(?m)^#   ([a-z][a-zA-Z0-9-]*)\*?\s", header)
+    steps = _gpu_run_steps(text)
+    assert len(listed) == len(set(listed))
+    assert [name for name in listed if sum(fnmatch.fnmatchcase(name, s) for s in steps) != 1] == []
+    assert [s for s in steps if not any(fnmatch.fnmatchcase(name, s) for name in listed)] == []
+
+
+def test_every_quoted_gpu_run_step_exists():
+    """``bash benchmarks/gpu_run.sh STEP…`` or `` `gpu_run.sh STEP…` `` in the READMEs, the results log, the
+    chapters, the tests and the scripts names steps the script has."""
+    steps = _gpu_run_steps(GPU_RUN.read_text())
+    files = [ROOT / "README.md", ROOT / "benchmarks" / "results" / "README.md", *sorted(TESTS.rglob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.sh"))]
+    texts = {f: f.read_text() for f in files}
+    for nb in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(nb.read_text())["cells"]
+        texts[nb] = "\n".join("".join(c["source"]) for c in cells)
+    quoted = {(f.relative_to(ROOT).as_posix(), word) for f, text in texts.items()
+              for m in re.finditer(r"(?:bash benchmarks/|`)gpu_run\.sh((?:\s+[a-z0-9][a-z0-9-]*\b(?![.'/]))+)", text)
+              for word in m.group(1).split()}
+    assert len(quoted) > 10   # the READMEs and chapters quote many
+    unknown = sorted((f, w) for f, w in quoted if not any(fnmatch.fnmatchcase(w, s) for s in steps))
+    assert not unknown, f"quoted steps gpu_run.sh lacks: {unknown}"
