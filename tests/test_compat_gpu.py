@@ -2,7 +2,7 @@
 the causal_conv1d package's CUDA conv), and the routed library models' bits over runs and emulated GPUs.
 
 mamba-ssm's mamba_split_conv1d_scan_combined needs the causal_conv1d package (its CUDA extension); without it
-those tests skip, saying so. benchmarks/gpu_run.sh builds it from its sdist (step ``compat``)."""
+those tests skip, saying so. benchmarks/gpu_run.sh builds it from its sdist (step ``ccd-ext``)."""
 from __future__ import annotations
 
 import importlib.util
