@@ -166,7 +166,7 @@ def test_watchdog_ends_a_stalled_process_with_a_clear_error():
     import subprocess
     import sys
 
-    code = ("import time; from mambalab.train.trainer import Watchdog\n"
+    code = ("import time; from mambalab.train.faults import Watchdog\n"
             "w = Watchdog(1.0, lambda: 'rank 3 (tp_rank 1, dp_rank 1)').start(); w.beat(7); time.sleep(30)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3

@@ -2,6 +2,7 @@
 
 * :mod:`~mambalab.train.tasks`: selective copying and multi-query associative recall, generated from a seed.
 * :mod:`~mambalab.train.trainer`: :class:`TrainConfig` and :func:`train`, the loop.
+* :mod:`~mambalab.train.faults`: the fault-injection hook, the watchdog, the line a rank prints when a peer fails.
 * :mod:`~mambalab.train.checkpoint`: sharded checkpoints, save and exact resume.
 * :mod:`~mambalab.train.cli`: the command line (also ``mambalab train``).
 """

@@ -15,7 +15,7 @@ What makes it safe to run unattended:
 * **No hangs.** The process group has a timeout, a collective that loses its peer raises and the trainer
   turns that into one clear line naming this rank and the step, then exits non-zero; a watchdog thread
   exits the process if no step finishes within ``timeout_s`` (it catches what a timeout cannot, e.g. NCCL
-  waiting on a dead peer).
+  waiting on a dead peer). Both, and the fault injection the tests use, live in :mod:`mambalab.train.faults`.
 * **Exact resume.** Batches are a function of (seed, step), and checkpoints hold the model shard,
   the optimizer state and the RNG state, so a resumed run produces the losses an uninterrupted one would.
 * **Same start for every TP degree.** With ``init="full"`` each rank builds the whole TP = 1 model from the
@@ -32,7 +32,6 @@ import json
 import math
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +44,7 @@ from mambalab.parallel import (TensorParallelMambaLM, allreduce_data_parallel_gr
                                init_distributed, load_full_state_dict)
 from mambalab.parallel.sharding import REPLICATED, broadcast_parameters, shard_specs
 from mambalab.train.checkpoint import CheckpointError, latest_step_dir, load_checkpoint, read_meta, save_checkpoint
+from mambalab.train.faults import Watchdog, crash_if_asked, describe, exit_on_peer_failure
 from mambalab.train.tasks import TASKS, make_batch, task_requirements
 
 __all__ = ["TrainConfig", "train", "ConfigError", "CheckpointError", "PARAM_DTYPES", "INIT_HOOKS", "AMP_MODES",
@@ -173,34 +173,6 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-class Watchdog:
-    """Exit the process if :meth:`beat` is not called for ``timeout_s`` seconds (armed by the first beat)."""
-
-    def __init__(self, timeout_s: float, describe):
-        self.timeout_s, self.describe = timeout_s, describe
-        self.last = None
-        self.step = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="mambalab-watchdog")
-
-    def start(self):
-        self._thread.start()
-        return self
-
-    def beat(self, step: int) -> None:
-        self.last, self.step = time.monotonic(), step
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _run(self):
-        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
-            if self.last is not None and time.monotonic() - self.last > self.timeout_s:
-                print(f"mambalab.train: {self.describe()}: no step finished for {self.timeout_s:.0f} s after step "
-                      f"{self.step}; a peer rank has probably failed. Exiting.", file=sys.stderr, flush=True)
-                os._exit(3)
-
-
 def _determinism(cfg: TrainConfig):
     """(context, model config): mambalab's determinism switch, scoped to the run
     (:func:`mambalab.determinism.deterministic`), or, where that package is missing, its core by hand."""
@@ -312,10 +284,6 @@ def _resume_folder(cfg: TrainConfig, layout) -> Path:
     return folder
 
 
-def _describe(layout) -> str:
-    return f"rank {layout.rank} (tp_rank {layout.tp_rank}, dp_rank {layout.dp_rank})"
-
-
 # --------------------------------------------------------------------------------------------- the loop
 def train(cfg: TrainConfig) -> list[dict]:
     """Run the training; returns the per-step metrics (every rank computes them; rank 0 writes them)."""
@@ -340,78 +308,71 @@ def train(cfg: TrainConfig) -> list[dict]:
 
 
 def _train(cfg: TrainConfig, layout) -> list[dict]:
-    from tqdm.auto import tqdm
-
+    """Build, resume if asked, train from the start step to ``cfg.steps``, report; the per-step metrics."""
     device = layout.device()
-    use_amp = cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda")
-    def autocast():  # a fresh context each step (torch.autocast instances are not re-entrant factories)
-        return torch.autocast(device.type, dtype=torch.bfloat16) if use_amp else contextlib.nullcontext()
-
     model = _build_model(cfg, layout, device)
     optimizer = _optimizer(model, cfg)
+    start = _resume(cfg, layout, model, optimizer)
+    if start is None:
+        return []
+    out = Path(cfg.out_dir) if cfg.out_dir else None
+    log = _open_outputs(cfg, layout, out, start)
+    metrics = _loop(cfg, layout, model, optimizer, start, log)
+    _write_summary(cfg, layout, model, metrics, out)
+    return metrics
+
+
+def _resume(cfg: TrainConfig, layout, model, optimizer) -> int | None:
+    """The step to start at: 0 for a fresh run, else the checkpoint's (loaded into ``model`` and ``optimizer``);
+    None when the checkpoint is already at ``cfg.steps``."""
+    if not cfg.resume:
+        return 0
+    folder = _resume_folder(cfg, layout)
+    start = load_checkpoint(folder, model, optimizer, layout)
+    if start >= cfg.steps:   # nothing to train: leave what is written (summary, metrics, checkpoints) alone
+        if layout.is_main:
+            print(f"mambalab.train: {folder} is at step {start} and steps = {cfg.steps}: nothing to train, "
+                  f"nothing written", file=sys.stderr, flush=True)
+        return None
+    return start
+
+
+def _open_outputs(cfg: TrainConfig, layout, out: Path | None, start: int):
+    """Rank 0 with an ``out_dir``: write config.json and open metrics.jsonl (appended to on resume, after a
+    resume line); the open log, or None."""
+    if out is None or not layout.is_main:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": layout.world_size,
+                                                 "dp": layout.dp,
+                                                 "num_parameters": cfg.model.num_parameters()}, indent=2))
+    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
+    if cfg.resume:   # the steps after this line continue from a checkpoint
+        log.write(json.dumps({"event": "resume", "from_step": start}) + "\n")
+    return log
+
+
+def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
+    """Save after ``done`` steps: every ``checkpoint_every`` steps and at the end, if there is a checkpoint_dir."""
+    return bool(cfg.checkpoint_dir) and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
+                                         or done == cfg.steps)
+
+
+def _loop(cfg: TrainConfig, layout, model, optimizer, start: int, log) -> list[dict]:
+    """Steps ``start`` … ``cfg.steps`` - 1: train, log, beat the watchdog, checkpoint when due. A failing
+    collective ends the process with one line (:func:`~mambalab.train.faults.exit_on_peer_failure`)."""
+    from tqdm.auto import tqdm
+
     specs = shard_specs(model)
     replicated = model.replicated_parameters()
-    start = 0
-    if cfg.resume:
-        folder = _resume_folder(cfg, layout)
-        start = load_checkpoint(folder, model, optimizer, layout)
-        if start >= cfg.steps:   # nothing to train: leave what is written (summary, metrics, checkpoints) alone
-            if layout.is_main:
-                print(f"mambalab.train: {folder} is at step {start} and steps = {cfg.steps}: nothing to train, "
-                      f"nothing written", file=sys.stderr, flush=True)
-            return []
-
-    out = Path(cfg.out_dir) if cfg.out_dir else None
-    if out is not None and layout.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": layout.world_size,
-                                                     "dp": layout.dp,
-                                                     "num_parameters": cfg.model.num_parameters()}, indent=2))
-    log = open(out / "metrics.jsonl", "a" if cfg.resume else "w") if out is not None and layout.is_main else None
-    if log is not None and cfg.resume:   # the steps after this line continue from a checkpoint
-        log.write(json.dumps({"event": "resume", "from_step": start}) + "\n")
-    watchdog = Watchdog(cfg.timeout_s, lambda: _describe(layout)).start()
-    tokens_per_step = cfg.batch_size * cfg.seq_len * layout.dp
+    watchdog = Watchdog(cfg.timeout_s, lambda: describe(layout)).start()
     metrics, step = [], start
     bar = tqdm(total=cfg.steps, initial=start, disable=not (layout.is_main and cfg.progress), desc="train",
                unit="step", dynamic_ncols=True)
     try:
         for step in range(start, cfg.steps):
-            if step == cfg.fail_at_step and layout.rank == cfg.fail_rank:
-                print(f"mambalab.train: {_describe(layout)}: simulated crash at step {step} (fail_at_step)",
-                      file=sys.stderr, flush=True)
-                os._exit(17)
-            t0 = time.perf_counter()
-            ids, targets = make_batch(cfg.task, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.seed, step,
-                                      replica=layout.dp_rank, replicas=layout.dp)
-            ids, targets = ids.to(device), targets.to(device)
-            for group in optimizer.param_groups:
-                group["lr"] = _lr(cfg, step)
-            with autocast():
-                loss = model.loss(ids, targets)
-            loss.backward()
-            if cfg.sequence_parallel:
-                allreduce_replicated_grads(replicated, layout)
-            allreduce_data_parallel_grads(model, layout)
-            grad_norm = _grad_norm(model, layout, specs)
-            if cfg.grad_clip > 0 and torch.isfinite(grad_norm):
-                scale = (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
-                for p in model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale.to(p.grad.dtype))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            loss_all = loss.detach().float().reshape(1)
-            if layout.dp > 1:
-                dist.all_reduce(loss_all, group=layout.dp_group)
-                loss_all /= layout.dp
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            row = {"step": step, "loss": loss_all.item(), "grad_norm": grad_norm.item(), "lr": _lr(cfg, step),
-                   "step_time_s": dt, "tokens_per_s": tokens_per_step / dt}
-            if device.type == "cuda":
-                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            crash_if_asked(cfg, layout, step)
+            row = _step(cfg, layout, model, optimizer, specs, replicated, step)
             metrics.append(row)
             if log is not None:
                 log.write(json.dumps(row) + "\n")
@@ -419,25 +380,68 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
             bar.update(1)
             bar.set_postfix(loss=f"{row['loss']:.4f}")
             watchdog.beat(step)
-            done = step + 1
-            if cfg.checkpoint_dir and ((cfg.checkpoint_every and done % cfg.checkpoint_every == 0)
-                                       or done == cfg.steps):
-                save_checkpoint(cfg.checkpoint_dir, done, model, optimizer, layout,
-                                {"config": cfg.to_dict()})
+            if _checkpoint_due(cfg, step + 1):
+                save_checkpoint(cfg.checkpoint_dir, step + 1, model, optimizer, layout, {"config": cfg.to_dict()})
                 watchdog.beat(step)   # a large model's save may take a while: it is progress too
     except Exception as e:   # a collective that lost its peer, or a timeout: say so plainly, never hang
-        if layout.world_size == 1:
-            raise
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"mambalab.train: {_describe(layout)} stopped at step {step}: {type(e).__name__}: {first}\n"
-              f"mambalab.train: another rank most likely failed or was killed; exiting.", file=sys.stderr,
-              flush=True)
-        os._exit(1)
+        exit_on_peer_failure(e, layout, step)
+        raise
     finally:
         watchdog.stop()
         bar.close()
         if log is not None:
             log.close()
+    return metrics
+
+
+def _autocast(cfg: TrainConfig, device):
+    """A fresh autocast context (torch.autocast instances are not re-entrant factories): bf16 with amp "bf16",
+    or "auto" on a GPU; else none."""
+    if cfg.amp == "bf16" or (cfg.amp == "auto" and device.type == "cuda"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _step(cfg: TrainConfig, layout, model, optimizer, specs, replicated, step: int) -> dict:
+    """One optimizer step (the recipe in the module docstring); its metrics row."""
+    device = layout.device()
+    t0 = time.perf_counter()
+    ids, targets = make_batch(cfg.task, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.seed, step,
+                              replica=layout.dp_rank, replicas=layout.dp)
+    ids, targets = ids.to(device), targets.to(device)
+    for group in optimizer.param_groups:
+        group["lr"] = _lr(cfg, step)
+    with _autocast(cfg, device):
+        loss = model.loss(ids, targets)
+    loss.backward()
+    if cfg.sequence_parallel:
+        allreduce_replicated_grads(replicated, layout)
+    allreduce_data_parallel_grads(model, layout)
+    grad_norm = _grad_norm(model, layout, specs)
+    if cfg.grad_clip > 0 and torch.isfinite(grad_norm):
+        scale = (cfg.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_all = loss.detach().float().reshape(1)
+    if layout.dp > 1:
+        dist.all_reduce(loss_all, group=layout.dp_group)
+        loss_all /= layout.dp
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    row = {"step": step, "loss": loss_all.item(), "grad_norm": grad_norm.item(), "lr": _lr(cfg, step),
+           "step_time_s": dt, "tokens_per_s": cfg.batch_size * cfg.seq_len * layout.dp / dt}
+    if device.type == "cuda":
+        row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    return row
+
+
+def _write_summary(cfg: TrainConfig, layout, model, metrics: list[dict], out: Path | None) -> None:
+    """The closing report: every rank's peak memory, parameter bytes and fingerprint, gathered to rank 0, which
+    writes summary.json with the final loss (only with an ``out_dir``)."""
     mine = {"peak_mem_gib": metrics[-1].get("peak_mem_gib") if metrics else None,
             "param_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30,
             "fingerprint": _fingerprint(model)}
@@ -452,4 +456,3 @@ def _train(cfg: TrainConfig, layout) -> list[dict]:
             "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in ranks],
             "param_gib_per_rank": [r["param_gib"] for r in ranks],
             "fingerprint_per_rank": [r["fingerprint"] for r in ranks]}, indent=2))
-    return metrics
