@@ -10,26 +10,29 @@ rank order along the sequence. What crosses between ranks is small and fixed in 
     H_{c+1} = exp(a_c) H_c + S_c          a_c: chunk c's total log-decay, H_c: the state entering chunk c
 
 then every chunk's outputs from its H_c. When a cut falls on a chunk edge, the state entering rank r's first
-chunk is rank r-1's final state, so a ring reproduces the recurrence: rank r receives s_in from rank r-1, runs
-``ssd_chunk_scan(…, initial_states=s_in, return_final_states=True)`` on its piece, and sends its final state to
-rank r+1. The backward runs the same ring the other way: the sweep carries G_c = dL/dH_c from the last chunk
-to the first (:mod:`mambalab.kernels.ssd.state_sweep`), so rank r's d initial_states, G at its first chunk, is
-the gradient of rank r-1's final state, sent from r to r-1.
+chunk is rank r-1's final state, so a ring reproduces the recurrence. Each rank runs the op's own launches on
+its piece (those of :func:`mambalab.ops.ssd_chunk_scan`, in its order), and only the state passing waits:
 
-    forward   rank r-1 --(final state, (b, h, p, n) fp32)--> rank r
-    backward  rank r-1 <--(its gradient, (b, h, p, n) fp32)-- rank r
+    forward   chunk cumsum, chunk states S_c            every rank at once
+              receive H_in from r-1; state passing from H_in; send the final state to r+1     the ring
+              chunk scan (the outputs from each H_c)    each rank once its state passing is done
+    backward  receive d final from r+1; the state sweep (G_c = dL/dH_c from the last chunk to the first,
+              :mod:`mambalab.kernels.ssd.state_sweep`); send G at the first chunk, d H_in, to r-1    the ring
+              the chunk-scan backward, the cumsum backward   every rank at once
 
-4 · b · h · p · n bytes each way per cut (b = 1 and mamba2-2.7b's h = 80, p = 64, n = 128: 2.6 MB).
+What is sent: forward, rank r-1's final state to rank r; backward, its gradient from rank r to rank r-1; each
+(b, h, p, n) fp32, 4 · b · h · p · n bytes each way per cut (b = 1 and mamba2-2.7b's h = 80, p = 64,
+n = 128: 2.6 MB).
 
 *Why the bits are the single process's* (cuts on chunk edges, either reduction on the CPU, "deterministic" on
-a GPU). Each of the scan's steps works on one chunk at a time: the chunk's cumsum, its state S_c, its outputs
-from H_c, and in the backward its gradients from G_{c+1} all read that chunk's inputs and nothing else, with
-tile sizes that depend on (h, p, n, q, dtype), never on b or l (:mod:`mambalab.kernels.ssd.tiles`). The state passing keeps H in fp32 and starts from
-initial_states loaded as fp32; the final state it hands on is that same fp32 value. So rank r's chunks see the
-same H_c, in the same dtype, as the single process's chunks at those positions, and do the same operations:
-``out``, the final state and the per-position gradients (dx, ddt, dB, dC, dz) equal the single process's bit
-for bit, for any R whose cuts fall on chunk edges; equal across such R too. The same argument runs backwards
-for G.
+a GPU). The launches are the op's, on the op's prepared inputs, and each works on one chunk at a time: the
+chunk's cumsum, its state S_c, its outputs from H_c, and in the backward its gradients from G_{c+1} read that
+chunk's inputs and nothing else, with tile sizes that depend on (h, p, n, q, dtype), never on b or l
+(:mod:`mambalab.kernels.ssd.tiles`). The state passing keeps H in fp32 and starts from the received H_in as
+fp32; the final state it hands on is that same fp32 value. So rank r's chunks see the same H_c, in the same
+dtype, as the single process's chunks at those positions, and do the same operations; backwards, the same
+holds for G. ``out``, the final state and the per-position gradients (dx, ddt, dB, dC, dz) equal the single
+process's bit for bit, for any R whose cuts fall on chunk edges, and so equal across such R.
 
 *What is not bitwise: the per-head parameters' gradients* (dA, dD, d dt_bias). The backward sums them over
 (batch row, chunk) partials p_i, P of them, in one fixed tree (:func:`mambalab.kernels.reduce.sum_partials`).
@@ -46,13 +49,14 @@ chunk that straddles the cut becomes two here, the tail of rank r-1's piece (pad
 the head of rank r's, and every chunk after it starts at a different position: the same sums, grouped
 differently, so agreement is to the chunked algorithm's rounding, not bitwise.
 
-*Cost.* The ring is serial: rank r starts its scan when rank r-1's is done, and the backward runs from the
-last rank to the first. Memory is split R ways; time is that of one process plus R - 1 hops. Each call also
-all-gathers a few integers (the shapes, and whether any rank records autograd) so that a bad input raises on
-every rank instead of leaving the others waiting. The kernel-level
-split (every rank computing its S_c and, after a ring of the cheap state passing alone, its outputs, all in
-parallel) needs the op to take the entering state apart from its chunk states: a forward hook returning
-(S, cs) without the scan, and a scan launch from given entering states.
+*Cost.* The forward's ring holds only the state passing (c_r steps of p·n fused multiply-adds a head): the
+chunk states before it and the chunk scan after it, the forward's dot products, run on all ranks at once.
+The backward's ring holds the state sweep, whose per-chunk Σ_t exp(cs_t) dY_t C_tᵀ is a dot product of the
+size of a chunk state, so R sweeps run one after another; the chunk-scan backward, the largest part, runs on
+all ranks at once. Memory is split R ways. Each call also all-gathers a few integers (the shapes, and whether
+any rank records autograd) so that a bad input raises on every rank instead of leaving the others waiting. An
+associative combine of per-rank (decay, state) pairs in place of the ring needs fewer hops but adds the states
+in another order, which loses the bits.
 
 **The convolution** (:func:`context_parallel_conv1d`). pre_t = bias + Σ_k w_k x_{t-(W-1)+k} reads the W - 1
 inputs before t: rank r needs rank r-1's last W - 1 inputs (a halo) before its first output, and its first
@@ -72,10 +76,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from mambalab import device as _device
 from mambalab import validate
+from mambalab.determinism import resolve_reduction
+from mambalab.kernels import ssd as _kernels
 from mambalab.kernels.reduce import sum_partials
 from mambalab.ops.conv1d import WIDTHS, causal_conv_taps
-from mambalab.ops.ssd import ssd_chunk_scan
+from mambalab.ops.ssd import _check, _prepare   # the op's own checks and kernel inputs, so its bits are ours
 
 __all__ = ["context_parallel_conv1d", "context_parallel_ssd", "sum_over_ranks"]
 
@@ -124,65 +131,63 @@ def sum_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------ the SSD
-class _ReceiveState(torch.autograd.Function):
-    """Forward: receive the state entering this piece from the previous rank. Backward: send its gradient back."""
+class _SSDPiece(torch.autograd.Function):
+    """One rank's piece: the steps of :func:`mambalab.kernels.ssd.ssd_chunk_scan_fwd` and ``ssd_chunk_scan_bwd``
+    (the same launches, in the same order, as the op), with the ring's receive and send between them.
+
+    Forward: chunk cumsum, chunk states | receive H_in from rank r-1 | state passing from H_in | send the final
+    state to rank r+1 | chunk scan. Backward: receive d final from rank r+1 | the state sweep | send d H_in to
+    rank r-1 | the chunk-scan backward, the cumsum backward. What sits outside the two bars runs on every rank
+    at once."""
 
     @staticmethod
-    def forward(ctx, anchor, shape, prev, group):
-        ctx.prev, ctx.group = prev, group
-        state = torch.empty(shape, dtype=torch.float32, device=anchor.device)
-        dist.recv(state, src=prev, group=group)
-        return state
+    def forward(ctx, anchor, x, dt, A, B, C, D, z, dt_bias, chunk_size, dt_softplus, dt_limit, reduction, prev, nxt,
+                group):
+        x_, dt_, A_, B_, C_, D_, z_, bias_, _ = _prepare(x, dt, A, B, C, D, z, dt_bias, None)
+        (b, _, h, p), (g, n) = x_.shape, B_.shape[2:]
+        cfg = _kernels.tile_config(h, p, n, chunk_size, x_.dtype, ngroups=g)
+        precision = _device.dot_precision(x_.dtype, x_.device)
+        delta, cs = _kernels.chunk_cumsum_fwd(dt_, A_, bias_, dt_softplus, dt_limit, cfg)
+        states = _kernels.chunk_states_fwd(x_, B_, delta, cs, cfg, precision)
+        h_in = None
+        if prev is not None:
+            h_in = torch.empty(b, h, p, n, dtype=torch.float32, device=x_.device)
+            dist.recv(h_in, src=prev, group=group)
+        entering, final = _kernels.state_passing_fwd(states, cs, h_in, cfg, store_dtype=x_.dtype)
+        sent = dist.isend(final, dst=nxt, group=group) if nxt is not None else None
+        out = _kernels.chunk_scan_fwd(x_, B_, C_, delta, cs, entering, D_, z_, cfg, precision)
+        if sent is not None:
+            sent.wait()
+        ctx.save_for_backward(x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, entering)
+        ctx.cfg, ctx.precision, ctx.dt_softplus, ctx.dt_limit, ctx.reduction = (cfg, precision, dt_softplus,
+                                                                                dt_limit, reduction)
+        ctx.prev, ctx.nxt, ctx.group = prev, nxt, group
+        ctx.dtypes = [t.dtype if t is not None else None for t in (x, dt, A, B, C, D, z, dt_bias)]
+        ctx.set_materialize_grads(False)
+        return out if out.dtype == x.dtype else out.to(x.dtype), final
 
     @staticmethod
-    def backward(ctx, dstate):
-        dist.send(dstate.float().contiguous(), dst=ctx.prev, group=ctx.group)
-        return None, None, None, None
-
-
-class _SendState(torch.autograd.Function):
-    """Forward: send this piece's final state to the next rank and pass ``out`` through. Backward: receive the
-    final state's gradient from the next rank (``out``'s gradient passes through)."""
-
-    @staticmethod
-    def forward(ctx, final, out, anchor, nxt, group):
-        ctx.nxt, ctx.group = nxt, group
-        dist.send(final.contiguous(), dst=nxt, group=group)
-        ctx.shape, ctx.device = final.shape, final.device
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, dout):
-        dfinal = torch.empty(ctx.shape, dtype=torch.float32, device=ctx.device)
-        dist.recv(dfinal, src=ctx.nxt, group=ctx.group)
-        return dfinal, dout, None, None, None
-
-
-def _check_ssd(x, dt, A, B, C, D, z, dt_bias):
-    """The shapes the ring depends on, checked on this rank; returns (b, l, h, p, g, n)."""
-    for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("z", z), ("dt_bias", dt_bias)):
-        if t is not None or name in "x dt A B C":
-            validate.tensor(name, t)
-    if x.dim() != 4:
-        raise ValueError(f"x must have shape (b, l, h, p), this rank's piece of the sequence; got {tuple(x.shape)}")
-    b, l, h, p = x.shape
-    if l == 0:
-        raise ValueError("x holds no positions: every rank's piece of the sequence needs at least one (x.shape[1])")
-    validate.shape("dt", dt, (b, l, h), "(b, l, h), like x's first three")
-    validate.shape("A", A, (h,), "(h,)")
-    if B.dim() != 4:
-        raise ValueError(f"B must have shape (b, l, g, n) = ({b}, {l}, g, n); got {tuple(B.shape)}")
-    validate.shape("B", B, (b, l, None, None), "(b, l, g, n)")
-    validate.shape("C", C, tuple(B.shape), "(b, l, g, n), like B")
-    if z is not None:
-        validate.shape("z", z, (b, l, h, p), "(b, l, h, p), like x")
-    if dt_bias is not None:
-        validate.shape("dt_bias", dt_bias, (h,), "(h,)")
-    if D is not None and D.dim() == 2:
-        validate.shape("D", D, (h, p), "(h, p)")
-    elif D is not None:
-        validate.shape("D", D, (h,), "(h,) or (h, p)")
-    return b, l, h, p, B.shape[2], B.shape[3]
+    def backward(ctx, dout, dfinal):
+        x_, dt_, A_, B_, C_, D_, z_, bias_, delta, cs, entering = ctx.saved_tensors
+        cfg, precision, reduction = ctx.cfg, ctx.precision, ctx.reduction
+        dout = torch.zeros_like(x_) if dout is None else dout.to(x_.dtype).contiguous()
+        dfinal = None if dfinal is None else dfinal.float().contiguous()
+        if ctx.nxt is not None:   # the next piece's d H_in is this piece's d final (plus any use of final here)
+            dnext = torch.empty(entering.shape[0], *entering.shape[2:], dtype=torch.float32, device=x_.device)
+            dist.recv(dnext, src=ctx.nxt, group=ctx.group)
+            dfinal = dnext if dfinal is None else dnext + dfinal
+        dstates, dh_in, da = _kernels.state_sweep_bwd(dout, z_, C_, cs, entering, dfinal, ctx.prev is not None, cfg,
+                                                      reduction, precision)
+        sent = dist.isend(dh_in.contiguous(), dst=ctx.prev, group=ctx.group) if ctx.prev is not None else None
+        dx, dz, dB, dC, dD, ddelta, dcs_row, dcs_col, dws = _kernels.chunk_scan_bwd(
+            dout, x_, B_, C_, delta, cs, entering, dstates, D_, z_, cfg, reduction, precision)
+        ddt, dA, dbias = _kernels.chunk_cumsum_bwd(dt_, A_, bias_, ctx.dt_softplus, ctx.dt_limit, delta, ddelta,
+                                                   dcs_row, dcs_col, da, dws, cfg, reduction)
+        if sent is not None:
+            sent.wait()
+        grads = [None if gr is None or not need else gr.to(dtype) for gr, dtype, need in
+                 zip((dx, ddt, dA, dB, dC, dD, dz, dbias), ctx.dtypes, ctx.needs_input_grad[1:9])]
+        return (None, *grads, None, None, None, None, None, None, None, None)
 
 
 def context_parallel_ssd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, dt_softplus=False,
@@ -199,33 +204,33 @@ def context_parallel_ssd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=Non
     rank's piece, (b, h, p, n) fp32 (on the last rank, the sequence's final state). Gradients reach every
     input; those of A, D and dt_bias are this rank's part (:func:`sum_over_ranks` adds them up).
 
-    Raises ValueError / TypeError naming the argument on every rank of the group, before any state is sent,
-    when the shapes the ring needs are wrong or disagree between ranks; the op checks the rest.
+    Raises ValueError / TypeError naming the argument on every rank of the group, before any state is sent:
+    the op's checks (:func:`mambalab.ops.ssd_chunk_scan`'s, dt's finiteness included) on each rank's piece, and
+    sizes that disagree between ranks.
     """
-    r, world, prev, nxt = _ranks(group)
-    error, sizes = None, [0] * 8
+    reduction = resolve_reduction(reduction)
+    _, world, prev, nxt = _ranks(group)
+    error, sizes = None, [0] * 7
     try:
-        sizes = [*_check_ssd(x, dt, A, B, C, D, z, dt_bias), validate.positive_int("chunk_size", chunk_size),
-                 validate.records_autograd(x, dt, A, B, C, D, z, dt_bias)]
+        records = validate.records_autograd(x, dt, A, B, C, D, z, dt_bias)
+        _, _, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, None, dt_limit, backward=records)
+        if x.shape[1] == 0:
+            raise ValueError("x holds no positions (x.shape[1] = 0): every rank's piece of the sequence needs one")
+        for check in checks:
+            check.check()
+        sizes = [*x.shape[:1], *x.shape[2:], *B.shape[2:], chunk_size, records]
     except (TypeError, ValueError) as e:
         error = e
     table = _agree("context_parallel_ssd", sizes, error, x.device if isinstance(x, torch.Tensor) else "cpu", group)
-    names = ("b (x.shape[0])", None, "h (x.shape[2])", "p (x.shape[3])", "g (B.shape[2])", "n (B.shape[3])",
-             "chunk_size")
+    names = ("b (x.shape[0])", "h (x.shape[2])", "p (x.shape[3])", "g (B.shape[2])", "n (B.shape[3])", "chunk_size")
     for i, name in enumerate(names):
-        if name is not None and (table[:, i] != table[0, i]).any():
+        if (table[:, i] != table[0, i]).any():
             raise ValueError(f"context_parallel_ssd: {name} must be the same on every rank of the group; got "
                              f"{table[:, i].tolist()} on ranks 0 … {world - 1}")
-    b, _, h, p, _, n = sizes[:6]
-    grad = bool(table[:, 7].any()) and torch.is_grad_enabled()
     # every rank records the ring's graph if any rank does, so that no backward waits for a send never made
-    anchor = torch.empty(0, device=x.device, requires_grad=grad)
-    entering = _ReceiveState.apply(anchor, (b, h, p, n), prev, group) if prev is not None else None
-    out, final = ssd_chunk_scan(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=entering,
-                                dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True,
-                                reduction=reduction)
-    if nxt is not None:
-        out = _SendState.apply(final, out, anchor, nxt, group)
+    anchor = torch.empty(0, device=x.device, requires_grad=bool(table[:, 6].any()) and torch.is_grad_enabled())
+    out, final = _SSDPiece.apply(anchor, x, dt, A, B, C, D, z, dt_bias, chunk_size, bool(dt_softplus),
+                                 tuple(float(v) for v in dt_limit), reduction, prev, nxt, group)
     return (out, final) if return_final_states else out
 
 
@@ -303,7 +308,7 @@ def context_parallel_conv1d(x, weight, bias=None, activation=None, *, group=None
 
     Raises ValueError / TypeError naming the argument on every rank of the group, before any exchange.
     """
-    r, world, prev, nxt = _ranks(group)
+    _, world, prev, nxt = _ranks(group)
     error, sizes = None, [0, 0, 0, 0]
     try:
         if activation not in (None, "silu", "swish"):
