@@ -208,10 +208,10 @@ def context_parallel_ssd(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=Non
     the op's checks (:func:`mambalab.ops.ssd_chunk_scan`'s, dt's finiteness included) on each rank's piece, and
     sizes that disagree between ranks.
     """
-    reduction = resolve_reduction(reduction)
     _, world, prev, nxt = _ranks(group)
     error, sizes = None, [0] * 7
     try:
+        reduction = resolve_reduction(reduction)   # None: the determinism switch's mode
         records = validate.records_autograd(x, dt, A, B, C, D, z, dt_bias)
         _, _, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, None, dt_limit, backward=records)
         if x.shape[1] == 0:
