@@ -19,8 +19,8 @@ class TileConfig:
     them all)."""
 
     chunk_size: int         # q: steps per chunk (the caller's choice, a power of two >= 16)
-    block_t: int            # chunk positions per step: rows of Y per chunk-scan program, and the step of the
-                            # chunk scan's loop over s ≤ t
+    block_t: int            # chunk positions per step: rows of Y per chunk-scan program, the step of its loop
+                            # over s ≤ t, and the blocks of chunk_cb and the sweeps
     block_h: int            # heads per program in the chunk cumsum
     block_p: int            # head dimensions per program in chunk states and chunk scan
     block_n: int            # the whole state dimension, padded (chunk states' output tile is BLOCK_P x BLOCK_N)
