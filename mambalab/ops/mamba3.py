@@ -12,8 +12,9 @@
   the kernels, differentiated by autograd (no atomics, no index_add).
 * :func:`mamba3_step`: one decoding step, one Triton kernel (:mod:`mambalab.kernels.mamba3.step`).
 
-Packed sequences (``cu_seqlens``, mamba-ssm's argument): the angle cumsum restarts at each boundary, σ drops
-the next sequence's β at a sequence's last step, and the SSD kernels mask with the rank-expanded seq_idx
+Packed sequences (``cu_seqlens``, mamba-ssm's argument; :func:`_packed_scan`, beside the plain path of
+:func:`mamba3_chunk_scan`): the angle cumsum restarts at each boundary, σ drops the next sequence's β at a
+sequence's last step, and the SSD kernels mask with the rank-expanded seq_idx
 (:mod:`mambalab.kernels.mamba3.chunk_scan`); per-sequence initial states, and final states that need a
 gradient, are a few PyTorch einsums per sequence around the kernels (:func:`_sequence_states`).
 
@@ -36,7 +37,7 @@ from mambalab.ref.mamba3 import (Mamba3State, biased_rotated, check_inputs, wrap
                                  entering_state, step_weights)
 
 REDUCTIONS = (None, "atomic", "deterministic")
-_CHECKS = validate.SignatureCache()   # _check's outcomes by signature (about 65 µs of Python a call saved)
+_CHECKS = validate.SignatureCache()   # _check's outcomes by signature: a decode loop checks once
 _NAMES = ("q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles", "D", "z", "mimo_v", "mimo_z",
           "mimo_o")
 
@@ -119,9 +120,8 @@ class Mamba3ScanFn(torch.autograd.Function):
     one launch).
     One Function, so that the scan's dB, dC go straight into the rotary backward as the scan wrote them: in the
     kernels' dtype (bf16 on a GPU), each program's fp32 tile rounded once, in the default deterministic mode;
-    fp32 in the atomic mode. (H200: bf16 rather than fp32 takes MIMO r = 4 from 9.85 to 9.01 ms and SISO from
-    2.47 to 2.30, raising the largest errors against fp64 of d dt from 2.1 to 2.7 % and of d angles from 7.2
-    to 8.9 % for SISO; benchmarks/results/README.md.)
+    fp32 in the atomic mode. bf16 there halves the bytes the scan writes and the rotary backward reads, for
+    somewhat larger gradient errors against fp64 (d dt, d angles most).
 
     q, k (b, l, r, g, n) contiguous in the kernels' dtype; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a)
     fp32; x (b, l·r, h, p) in the kernels' dtype; adt, sigma, gamma (b, l, h) fp32; D (h,) fp32 or None;
@@ -295,61 +295,97 @@ def mamba3_chunk_scan(q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=
     backward = validate.records_autograd(*tensors)
     sizes = _checked(args, initial_state if cu_seqlens is None else None, per_token=False, chunk_size=chunk_size,
                      backward=backward)
-    b, l, h, p, g, n, r, a = sizes
-    # before anything else runs on the device (the casts below, seq_idx): a NaN in dt launches nothing
+    # before anything else runs on the device (the casts, seq_idx): a NaN in dt launches nothing
     validate.finite("dt", dt)
-    seq_idx, bounds = (None, None) if cu_seqlens is None else _packed(cu_seqlens, v, sizes, initial_state)
-    # packed: the kernels run every sequence from zero; PyTorch adds the initial states (and forms final states
-    # that need a gradient), :func:`_sequence_states`
-    own_final = seq_idx is not None and return_final_state and backward
-    dtype_in = v.dtype
-    kd = _device.compute_dtype(dtype_in, v.device)
-    act = lambda t: None if t is None else t.to(kd)                           # activations: the kernels' dtype
-    f32 = lambda t: None if t is None else t.float()                          # the rest: fp32
-    q, k, v, z = act(q), act(k), act(v), act(z)
-    adt, dt, trap, q_bias, k_bias, angles, D, mimo_v, mimo_z, mimo_o = map(
-        f32, (adt, dt, trap, q_bias, k_bias, angles, D, mimo_v, mimo_z, mimo_o))
-    if initial_state is not None:
-        initial_state = Mamba3State(*(t.float() for t in initial_state))
-
+    if cu_seqlens is not None:
+        return _packed_scan(cu_seqlens, args, sizes, initial_state, return_final_state, chunk_size, reduction,
+                            backward)
+    dtype_in, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o), initial_state = _cast(
+        args, initial_state)
     theta = AngleFn.apply(angles, dt.contiguous(),
-                          None if initial_state is None or seq_idx is not None else initial_state.angle.contiguous(),
-                          seq_idx)                                            # (b, l, h, a)
-    if seq_idx is not None and initial_state is not None:
-        theta = theta + initial_state.angle[seq_idx[0].long()][None]          # each sequence's θ_{-1}
-    gamma, sigma = step_weights(dt, trap, seq_idx)                            # (b, l, h)
-    entering0 = entering_state(initial_state, dt, trap, mimo_v) if seq_idx is None else None
-    mimo = mimo_v is not None
-    T = b * l
-    # the SSD's input: v ⊙ W^V_r (MIMO) or v (SISO), (b, l·r, h, p) in the kernels' dtype
-    v_rows = v.reshape(T, h, p).contiguous()                                  # (T, h, p)
-    x = RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p) if mimo else v_rows.view(b, l, h, p)
-    # the within-step correction is inside the scan (the same step's block of the chunk takes γ_t: see
-    # kernels.mamba3.chunk_scan), and D x = D v ⊙ W^V_r too; the output stage is the gate and Σ_r W^O alone
-    y, final = Mamba3ScanFn.apply(q.contiguous(), k.contiguous(), q_bias.contiguous(), k_bias.contiguous(), theta,
-                                  x, adt.contiguous(), sigma.contiguous(), gamma.contiguous(),
-                                  None if D is None else D.contiguous(),
-                                  None if entering0 is None else entering0.contiguous(), r, chunk_size, reduction,
-                                  seq_idx, None if cu_seqlens is None or own_final else cu_seqlens.to(torch.int32))
-    if seq_idx is not None and (initial_state is not None or own_final):
-        y, final = _sequence_states(y, final if return_final_state and not own_final else None, q, k, q_bias,
-                                    k_bias, theta, x, adt, dt, trap, sigma, initial_state, mimo_v, bounds, r, own_final)
-    if mimo or z is not None:
-        out = RankOutputsFn.apply(y.view(T, r, h, p), None if z is None else z.reshape(T, h, p).contiguous(),
-                                  None if mimo_z is None else mimo_z.contiguous(),
-                                  None if mimo_o is None else mimo_o.contiguous())
-    else:
-        out = y                                                               # SISO without a gate: y itself
-    out = out.view(b, l, h, p).to(dtype_in)
+                          None if initial_state is None else initial_state.angle.contiguous())   # (b, l, h, a)
+    gamma, sigma = step_weights(dt, trap)                                     # (b, l, h)
+    entering0 = entering_state(initial_state, dt, trap, mimo_v)              # (b, h, p, n) or None
+    x = _scan_input(v, mimo_v, sizes)
+    y, final = _scan(q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, entering0, sizes, chunk_size, reduction)
+    out = _output(y, z, mimo_v, mimo_z, mimo_o, sizes).to(dtype_in)
     if not return_final_state:
         return out
-    if cu_seqlens is None:
-        rows, last = slice(None), -1                                          # every batch row's last step
-    else:
-        rows, last = 0, cu_seqlens[1:].long() - 1                             # every sequence's last step
-    theta_last = theta[rows, last]                                            # (b or num_seqs, h, a)
-    k_last = biased_rotated(k[rows, last].float(), k_bias, theta_last).transpose(1, 2)   # (·, h, r, n) in fp32
-    return out, Mamba3State(wrap_angle(theta_last), final, k_last, v[rows, last].float())
+    return out, _final_state(theta[:, -1], final, k[:, -1], k_bias, v[:, -1])   # every batch row's last step
+
+
+def _packed_scan(cu_seqlens, args, sizes, initial_state, return_final_state, chunk_size, reduction, backward):
+    """:func:`mamba3_chunk_scan` over packed sequences (``cu_seqlens``), on inputs it has checked. The kernels
+    run every sequence from zero; PyTorch adds the initial states, and forms the final states when a gradient
+    must flow from them (:func:`_sequence_states`)."""
+    seq_idx, bounds = _packed(cu_seqlens, args[2], sizes, initial_state)   # (1, l)
+    own_final = return_final_state and backward
+    dtype_in, (q, k, v, adt, dt, trap, q_bias, k_bias, angles, D, z, mimo_v, mimo_z, mimo_o), initial_state = _cast(
+        args, initial_state)
+    theta = AngleFn.apply(angles, dt.contiguous(), None, seq_idx)            # (1, l, h, a), from 0 per sequence
+    if initial_state is not None:
+        theta = theta + initial_state.angle[seq_idx[0].long()][None]          # each sequence's θ_{-1}
+    gamma, sigma = step_weights(dt, trap, seq_idx)                            # (1, l, h)
+    x = _scan_input(v, mimo_v, sizes)
+    y, final = _scan(q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, None, sizes, chunk_size, reduction,
+                     seq_idx, None if own_final else cu_seqlens.to(torch.int32))
+    if initial_state is not None or own_final:
+        y, final = _sequence_states(y, final if return_final_state and not own_final else None, q, k, q_bias,
+                                    k_bias, theta, x, adt, dt, trap, sigma, initial_state, mimo_v, bounds, sizes[6],
+                                    own_final)
+    out = _output(y, z, mimo_v, mimo_z, mimo_o, sizes).to(dtype_in)
+    if not return_final_state:
+        return out
+    last = cu_seqlens[1:].long() - 1                                          # every sequence's last step
+    return out, _final_state(theta[0, last], final, k[0, last], k_bias, v[0, last])
+
+
+def _cast(args, initial_state):
+    """The activations q, k, v, z in the kernels' dtype, the rest (step sizes, angles, biases, D, W's and the
+    state) in fp32 -> (v's dtype, the cast args in :data:`_NAMES`' order, the cast initial_state or None)."""
+    v = args[2]
+    kd = _device.compute_dtype(v.dtype, v.device)
+    cast = tuple(None if t is None else t.to(kd) if name in ("q", "k", "v", "z") else t.float()
+                 for name, t in zip(_NAMES, args))
+    state = None if initial_state is None else Mamba3State(*(t.float() for t in initial_state))
+    return v.dtype, cast, state
+
+
+def _scan_input(v, mimo_v, sizes):
+    """The SSD's input x (b, l·r, h, p) in the kernels' dtype: v ⊙ W^V_r (MIMO) or v itself (SISO)."""
+    b, l, h, p, g, n, r, a = sizes
+    v_rows = v.reshape(b * l, h, p).contiguous()                              # (T, h, p)
+    if mimo_v is None:
+        return v_rows.view(b, l, h, p)
+    return RankInputsFn.apply(v_rows, mimo_v.contiguous()).view(b, l * r, h, p)
+
+
+def _scan(q, k, q_bias, k_bias, theta, x, adt, sigma, gamma, D, entering, sizes, chunk_size, reduction,
+          seq_idx=None, cu_seqlens=None):
+    """:class:`Mamba3ScanFn` on contiguous inputs -> (y (b, l·r, h, p), final). The within-step correction is
+    inside the scan (the same step's block of the chunk takes γ_t: see kernels.mamba3.chunk_scan), and
+    D x = D v ⊙ W^V_r too; what is left is the output stage, the gate and Σ_r W^O (:func:`_output`)."""
+    c = lambda t: None if t is None else t.contiguous()
+    return Mamba3ScanFn.apply(c(q), c(k), c(q_bias), c(k_bias), theta, x, c(adt), c(sigma), c(gamma), c(D),
+                              c(entering), sizes[6], chunk_size, reduction, seq_idx, cu_seqlens)
+
+
+def _output(y, z, mimo_v, mimo_z, mimo_o, sizes):
+    """y (b, l·r, h, p) -> out (b, l, h, p): the gate and Σ_r W^O (:class:`RankOutputsFn`), or y itself for
+    SISO without a gate."""
+    b, l, h, p, g, n, r, a = sizes
+    if mimo_v is None and z is None:
+        return y.view(b, l, h, p)
+    c = lambda t: None if t is None else t.contiguous()
+    return RankOutputsFn.apply(y.view(b * l, r, h, p), None if z is None else z.reshape(b * l, h, p).contiguous(),
+                               c(mimo_z), c(mimo_o)).view(b, l, h, p)
+
+
+def _final_state(theta_last, final, k_last, k_bias, v_last):
+    """The state after each row's (or sequence's) last step: theta_last (·, h, a), final (·, h, p, n),
+    k_last (·, r, g, n), v_last (·, h, p) -> :class:`~mambalab.ref.mamba3.Mamba3State` in fp32."""
+    k_hat = biased_rotated(k_last.float(), k_bias, theta_last).transpose(1, 2)   # (·, h, r, n)
+    return Mamba3State(wrap_angle(theta_last), final, k_hat, v_last.float())
 
 
 def mamba3_step(state, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None, mimo_v=None, mimo_z=None,
