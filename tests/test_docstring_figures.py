@@ -11,7 +11,7 @@ import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SKIPPED = ("mambalab/viz/", "mambalab/exercises/", "mambalab/ops/mamba3.py")
+SKIPPED = ("mambalab/viz/", "mambalab/exercises/")
 TIME = re.compile(r"\d\s?(?:ms|µs|us)\b")
 SOURCE = re.compile(r"\.json\b|results log|benchmarks/results/README\.md")
 
