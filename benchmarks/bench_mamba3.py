@@ -363,7 +363,7 @@ def step_sweep(batch, h, p, g, n, a, ranks=(1, 2, 4)):
     dst = torch.empty_like(src)
     copy_ms = graph_ms(lambda: dst.copy_(src))
     rows = [{"case": "copy of the fp32 state", "us": copy_ms * 1e3, "GB_per_s": 8 * state_numel / copy_ms / 1e6}]
-    ways = [dict(RANK_TILE=False, FLAT=False), dict(RANK_TILE=True, FLAT=False), dict(RANK_TILE=False, FLAT=True)]
+    ways = [dict(FLAT=False), dict(FLAT=True)]
     tiles = [dict(BLOCK_P=16, num_warps=2), dict(BLOCK_P=16, num_warps=4), dict(BLOCK_P=8, num_warps=1)]
     default = step_kernel.step_config
     try:

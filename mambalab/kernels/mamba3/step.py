@@ -20,8 +20,8 @@ Tile rule (shape only): one program per (batch row, head, block of BLOCK_P head 
 dimension whole (BLOCK_N2 = next_pow2(n / 2)). Small p-blocks give a decode step with a small batch enough
 programs to fill the GPU. No sum crosses programs (the rotated k̂ and θ' are recomputed by every p-block; the
 first writes them). The ranks are a loop, on the state split into its pairs or on its rows as they lie (FLAT:
-only k̂ and q̂ are split and joined back), or one (R, ·) tile whose sums over the rank axis stay in registers
-(RANK_TILE); the state may be read and written with evict_first (STREAM: it is touched once a step).
+only k̂ and q̂ are split and joined back); the state may be read and written with evict_first (STREAM: it is
+touched once a step).
 :func:`step_config` chooses, with BLOCK_P and the warps.
 
 Shapes (contiguous, fp32 on the CPU interpreter): angle (b, h, a), ssm (b, h, p, n), k_prev (b, h, r, n),
@@ -54,23 +54,6 @@ def _rotated(x_ptr, bias_ptr, offs_c, mask_c, cos, sin, BLOCK_N2: tl.constexpr):
 
 
 @triton.jit
-def _rank_pairs(rows_ptr, offs_c, mask_rc, BLOCK_R: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """R n-vectors, rows_ptr (BLOCK_R, 1) pointing at each, read whole: (even, odd), each (BLOCK_R, BLOCK_N2)."""
-    x = tl.load(rows_ptr + offs_c[None, :], mask=mask_rc, other=0.0).to(tl.float32)
-    return tl.split(tl.reshape(x, (BLOCK_R, BLOCK_N2, 2)))
-
-
-@triton.jit
-def _rank_rotated(x_ptr, bias_ptr, offs_c, mask_rc, cos, sin, BLOCK_R: tl.constexpr, BLOCK_N2: tl.constexpr):
-    """:func:`_rotated` for R rows at once: (even, odd), each (BLOCK_R, BLOCK_N2)."""
-    x0, x1 = _rank_pairs(x_ptr, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
-    b0, b1 = _rank_pairs(bias_ptr, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
-    x0 += b0
-    x1 += b1
-    return x0 * cos[None, :] - x1 * sin[None, :], x0 * sin[None, :] + x1 * cos[None, :]
-
-
-@triton.jit
 def mamba3_step_kernel(
     angle_ptr,        # (b, h, a) θ before the step
     ssm_ptr,          # (b, h, p, n) H before the step
@@ -95,9 +78,7 @@ def mamba3_step_kernel(
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK_P: tl.constexpr,       # head dimensions per program
     BLOCK_N2: tl.constexpr,      # n / 2, padded to a power of two
-    RANK_TILE: tl.constexpr,     # all ranks as one (BLOCK_R, ·) tile, or a loop over ranks
-    BLOCK_R: tl.constexpr,       # R padded to a power of two
-    FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs; not with RANK_TILE)
+    FLAT: tl.constexpr,          # the rank loop on the state's rows as they lie (no split into pairs)
     STREAM: tl.constexpr,        # the state read and written with evict_first (it is touched once a step)
 ):
     pid_b = tl.program_id(0)
@@ -143,50 +124,27 @@ def mamba3_step_kernel(
         Dh = tl.load(D_ptr + pid_h).to(tl.float32)
     if HAS_Z:
         z = tl.load(z_ptr + bh * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-    if RANK_TILE:
-        # every rank at once: (BLOCK_R, ·) tiles, sums over the rank axis in registers
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < R
-        mask_rc = mask_r[:, None] & mask_c[None, :]
-        mask_rp = mask_r[:, None] & mask_p[None, :]
-        kp0, kp1 = _rank_pairs(kprev_ptr + (bh * R + offs_r[:, None]) * n, offs_c, mask_rc, BLOCK_R, BLOCK_N2)
-        k0, k1 = _rank_rotated(k_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
-                               kbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
-                               BLOCK_R, BLOCK_N2)
-        w_rows = (pid_h * R + offs_r[:, None]) * p + offs_p[None, :]                  # (BLOCK_R, BLOCK_P)
+    for r in tl.static_range(R):
+        wv = 1.0
         if MIMO:
-            wv = tl.load(wv_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
+            wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
+        vp = (beta * v_prev * wv)[:, None]                  # β U_prev: the previous step's input, rank r
+        vn = (gamma * v_now * wv)[:, None]                   # γ U: this step's input, rank r
+        k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
+                          offs_c, mask_c, cos, sin, BLOCK_N2)
+        kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
+        if FLAT:
+            kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
+            S += vp * kp[None, :]
+            S += vn * kn[None, :]
         else:
-            wv = tl.where(mask_rp, 1.0, 0.0)
-        vp = beta * v_prev[None, :] * wv                                              # (BLOCK_R, BLOCK_P)
-        vn = gamma * v_now[None, :] * wv
-        S0 += tl.sum(vp[:, :, None] * kp0[:, None, :] + vn[:, :, None] * k0[:, None, :], axis=0)
-        S1 += tl.sum(vp[:, :, None] * kp1[:, None, :] + vn[:, :, None] * k1[:, None, :], axis=0)
+            kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
+            S0 += vp * kp0[None, :]
+            S1 += vp * kp1[None, :]
+            S0 += vn * k0[None, :]
+            S1 += vn * k1[None, :]
         if pid_p == 0:
-            tl.store(k_out_ptr + (bh * R + offs_r[:, None]) * n + offs_c[None, :],
-                     tl.reshape(tl.join(k0, k1), (BLOCK_R, 2 * BLOCK_N2)), mask=mask_rc)
-    else:
-        for r in tl.static_range(R):
-            wv = 1.0
-            if MIMO:
-                wv = tl.load(wv_ptr + (pid_h * R + r) * p + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-            vp = (beta * v_prev * wv)[:, None]                  # β U_prev: the previous step's input, rank r
-            vn = (gamma * v_now * wv)[:, None]                   # γ U: this step's input, rank r
-            k0, k1 = _rotated(k_ptr + ((pid_b * R + r) * g + grp) * n, kbias_ptr + (pid_h * R + r) * n,
-                              offs_c, mask_c, cos, sin, BLOCK_N2)
-            kn = tl.reshape(tl.join(k0, k1), (2 * BLOCK_N2,))
-            if FLAT:
-                kp = tl.load(kprev_ptr + (bh * R + r) * n + offs_c, mask=mask_c, other=0.0).to(tl.float32)
-                S += vp * kp[None, :]
-                S += vn * kn[None, :]
-            else:
-                kp0, kp1 = _pairs(kprev_ptr + (bh * R + r) * n, offs_c, mask_c, BLOCK_N2)
-                S0 += vp * kp0[None, :]
-                S1 += vp * kp1[None, :]
-                S0 += vn * k0[None, :]
-                S1 += vn * k1[None, :]
-            if pid_p == 0:
-                tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
+            tl.store(k_out_ptr + (bh * R + r) * n + offs_c, kn, mask=mask_c)
     if FLAT:
         S_new = S
     else:
@@ -199,59 +157,41 @@ def mamba3_step_kernel(
     if pid_p == 0:
         two_pi = 6.283185307179586                                   # θ' kept in [0, 2π), as mamba-ssm
         tl.store(angle_out_ptr + bh * a + offs_i, theta - two_pi * tl.floor(theta / two_pi), mask=mask_a)
-    if RANK_TILE:
-        q0, q1 = _rank_rotated(q_ptr + ((pid_b * R + offs_r[:, None]) * g + grp) * n,
-                               qbias_ptr + (pid_h * R + offs_r[:, None]) * n, offs_c, mask_rc, cos, sin,
-                               BLOCK_R, BLOCK_N2)
-        y = tl.sum(S0[None, :, :] * q0[:, None, :] + S1[None, :, :] * q1[:, None, :], axis=2)  # (BLOCK_R, BLOCK_P)
-        if HAS_D:
-            y += Dh * v_now[None, :] * wv
-        if HAS_Z:
-            if MIMO:
-                zr = z[None, :] * tl.load(wz_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
-            else:
-                zr = z[None, :] + tl.zeros((BLOCK_R, BLOCK_P), dtype=tl.float32)
-            y = y * zr * tl.sigmoid(zr)
+    out = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for r in tl.static_range(R):
+        q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
+                          offs_c, mask_c, cos, sin, BLOCK_N2)
+        if FLAT:
+            y = tl.sum(S * tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))[None, :], axis=1)   # H' q̂_r
+        else:
+            y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
         if MIMO:
-            y *= tl.load(wo_ptr + w_rows, mask=mask_rp, other=0.0).to(tl.float32)
-        out = tl.sum(tl.where(mask_rp, y, 0.0), axis=0)                                 # (BLOCK_P,)
-    else:
-        out = tl.zeros((BLOCK_P,), dtype=tl.float32)
-        for r in tl.static_range(R):
-            q0, q1 = _rotated(q_ptr + ((pid_b * R + r) * g + grp) * n, qbias_ptr + (pid_h * R + r) * n,
-                              offs_c, mask_c, cos, sin, BLOCK_N2)
-            if FLAT:
-                y = tl.sum(S * tl.reshape(tl.join(q0, q1), (2 * BLOCK_N2,))[None, :], axis=1)   # H' q̂_r
-            else:
-                y = tl.sum(S0 * q0[None, :] + S1 * q1[None, :], axis=1)    # (BLOCK_P,): H' q̂_r
-            if MIMO:
-                wrow = (pid_h * R + r) * p + offs_p
-                if HAS_D:
-                    y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-                if HAS_Z:
-                    zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-                    y = y * zr * tl.sigmoid(zr)
-                out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
-            else:
-                if HAS_D:
-                    y += Dh * v_now
-                if HAS_Z:
-                    y = y * z * tl.sigmoid(z)
-                out += y
+            wrow = (pid_h * R + r) * p + offs_p
+            if HAS_D:
+                y += Dh * v_now * tl.load(wv_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+            if HAS_Z:
+                zr = z * tl.load(wz_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+                y = y * zr * tl.sigmoid(zr)
+            out += y * tl.load(wo_ptr + wrow, mask=mask_p, other=0.0).to(tl.float32)
+        else:
+            if HAS_D:
+                y += Dh * v_now
+            if HAS_Z:
+                y = y * z * tl.sigmoid(z)
+            out += y
     tl.store(out_ptr + bh * p + offs_p, out.to(out_ptr.dtype.element_ty), mask=mask_p)
 
 
 def step_config(b: int, h: int, p: int, r: int) -> dict:
     """The launch's tile choices (shape only). r = 1: BLOCK_P = min(16, next_pow2(p)), 2 warps, the rank loop
     on the state split into pairs. r >= 2: BLOCK_P = min(8, next_pow2(p)), 1 warp, the state streamed past the
-    caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT). No shape picks RANK_TILE.
+    caches (STREAM), and at r = 2 the loop on the state's rows as they lie (FLAT).
 
     Batch 64, h32 p64 n128, r = 4: 72.5 µs against 111.9 at r = 1's (2026-12-03_h200_mamba3_step_sweep_flat.json).
     """
     if r == 1:
-        return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, RANK_TILE=False, FLAT=False,
-                    STREAM=False)
-    return dict(BLOCK_P=min(8, triton.next_power_of_2(p)), num_warps=1, RANK_TILE=False, FLAT=r == 2, STREAM=True)
+        return dict(BLOCK_P=min(16, triton.next_power_of_2(p)), num_warps=2, FLAT=False, STREAM=False)
+    return dict(BLOCK_P=min(8, triton.next_power_of_2(p)), num_warps=1, FLAT=r == 2, STREAM=True)
 
 
 def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, k_bias, angles, D=None, z=None,
@@ -279,6 +219,6 @@ def mamba3_step_fwd(angle, ssm, k_prev, v_prev, q, k, v, adt, dt, trap, q_bias, 
         out, angle_out, ssm_out, k_out, v_out,
         h, g, p, n, a,
         R=r, MIMO=mimo, HAS_D=D is not None, HAS_Z=z is not None,
-        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), BLOCK_R=triton.next_power_of_2(r), **config,
+        BLOCK_N2=triton.next_power_of_2(max(n // 2, 1)), **config,
     )
     return out, angle_out, ssm_out, k_out, v_out
