@@ -5,10 +5,12 @@ One launch of 4 ranks (cp_workers.py) runs CP = 4 over the default group, then C
 single-process op. Shapes are tiny (l = 64, chunk 16, h = 2, p = 4, n = 4): the kernels run in Triton's
 interpreter.
 """
+import collections
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 import mambalab  # noqa: F401
 from mambalab.ops.conv1d import causal_conv1d_fn
 from mambalab.ops.ssd import ssd_chunk_scan
-from mambalab.parallel import context_parallel_conv1d, context_parallel_ssd
+from mambalab.parallel import context, context_parallel_conv1d, context_parallel_ssd
 
 HERE = Path(__file__).resolve().parent
 PER_POSITION = ("out", "final", "dx", "ddt", "dB", "dC", "dz")   # the module docstring's bitwise claim
@@ -123,3 +125,87 @@ def test_nccl_on_two_gpus(tmp_path):
     _check_ssd(got["ssd"], ("cp2/edges", "cp2/inside"), bitwise=("deterministic",), rtol_inside=5e-3)
     for split in ("cp2/edges", "cp2/inside"):
         assert got["conv"][split]["out"]["bitwise"] and got["conv"][split]["dx"]["bitwise"], split
+
+
+class _Mailbox:
+    """torch.distributed's point-to-point calls inside one process: a queue for each (sender, receiver). The
+    ranks run one after another, forwards first to last and backwards last to first, so every receive finds
+    its message queued."""
+
+    def __init__(self, world: int):
+        self.world, self.rank, self.queues = world, 0, collections.defaultdict(collections.deque)
+
+    def isend(self, tensor, dst, group=None):
+        self.queues[(self.rank, dst)].append(tensor.clone())
+        return types.SimpleNamespace(wait=lambda: None)
+
+    def recv(self, tensor, src, group=None):
+        tensor.copy_(self.queues[(src, self.rank)].popleft())
+
+    def ranks(self, group):
+        r = self.rank
+        return r, self.world, (r - 1 if r > 0 else None), (r + 1 if r < self.world - 1 else None)
+
+
+def _agree_alone(what, local, error, device, group):
+    if error is not None:
+        raise error
+    return torch.tensor([local], dtype=torch.int64)
+
+
+def _virtual_ring(monkeypatch, pieces, device, dtype, reduction):
+    """context_parallel_ssd and context_parallel_conv1d over ``pieces`` (lengths along l) as ranks of one
+    process (:class:`_Mailbox`), against the single-process ops: {name: (bitwise, max |difference|, scale)}."""
+    mail = _Mailbox(len(pieces))
+    monkeypatch.setattr(context, "dist", types.SimpleNamespace(isend=mail.isend, recv=mail.recv))
+    monkeypatch.setattr(context, "_ranks", mail.ranks)
+    monkeypatch.setattr(context, "_agree", _agree_alone)
+    b, h, p, n, q, L = 2, 4, 16, 16, 64, sum(pieces)
+    gen = torch.Generator().manual_seed(5)
+    seq = {k: torch.randn(*shape, generator=gen).to(device, dtype) for k, shape in
+           (("x", (b, L, h, p)), ("B", (b, L, 1, n)), ("C", (b, L, 1, n)), ("z", (b, L, h, p)))}
+    seq["dt"] = (torch.randn(b, L, h, generator=gen) - 1.0).to(device)
+    seq["u"] = torch.randn(b, 8, L, generator=gen).to(device, dtype)    # the convolution's input (b, d, l)
+    A, D = (-torch.rand(h, generator=gen) - 0.5).to(device), torch.randn(h, generator=gen).to(device)
+    weight = torch.randn(8, 4, generator=gen).to(device)
+    w_out, w_conv = torch.randn(b, L, h, p, generator=gen).to(device), torch.randn(b, 8, L, generator=gen).to(device)
+
+    def loss(ins, lo, hi, last):
+        y, final = context_parallel_ssd(ins["x"], ins["dt"], A, ins["B"], ins["C"], q, D=D, z=ins["z"],
+                                        dt_softplus=True, return_final_states=True, reduction=reduction)
+        conv = context_parallel_conv1d(ins["u"], weight, activation="silu")
+        total = (y.float() * w_out[:, lo:hi]).sum() + (conv.float() * w_conv[..., lo:hi]).sum()
+        return total + ((final * w_out[:, 0, :, :, None]).sum() if last else 0.0), y, conv
+
+    bounds = [sum(pieces[:r]) for r in range(len(pieces) + 1)]
+    runs = []
+    for r in range(len(pieces)):   # forwards in rank order
+        mail.rank = r
+        lo, hi = bounds[r], bounds[r + 1]
+        ins = {k: (v[..., lo:hi] if k == "u" else v[:, lo:hi]).clone().requires_grad_() for k, v in seq.items()}
+        runs.append((ins, *loss(ins, lo, hi, r == len(pieces) - 1)))
+    for r in reversed(range(len(pieces))):   # backwards from the last rank
+        mail.rank = r
+        runs[r][1].backward()
+    got = {"out": torch.cat([run[2] for run in runs], 1), "conv": torch.cat([run[3] for run in runs], 2),
+           **{f"d{k}": torch.cat([run[0][k].grad for run in runs], 2 if k == "u" else 1) for k in seq}}
+
+    monkeypatch.undo()
+    ins = {k: v.clone().requires_grad_() for k, v in seq.items()}
+    y, final = ssd_chunk_scan(ins["x"], ins["dt"], A, ins["B"], ins["C"], q, D=D, z=ins["z"], dt_softplus=True,
+                              return_final_states=True, reduction=reduction)
+    conv = causal_conv1d_fn(ins["u"], weight, activation="silu")
+    ((y.float() * w_out).sum() + (conv.float() * w_conv).sum() + (final * w_out[:, 0, :, :, None]).sum()).backward()
+    want = {"out": y, "conv": conv, **{f"d{k}": ins[k].grad for k in seq}}
+    return {k: (torch.equal(got[k], want[k]), (got[k].float() - want[k].float()).abs().max().item(),
+                want[k].float().abs().max().item()) for k in want}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_ring_on_one_gpu_gives_the_single_process_bits(monkeypatch, dtype):
+    """The ranks as one process on one GPU (tf32 dots; bf16 entering states): deterministic mode, cuts on chunk
+    edges (4 ranks of 128 positions, chunk 64): out, the conv, and every per-position gradient, bitwise."""
+    got = _virtual_ring(monkeypatch, [128, 128, 128, 128], "cuda", dtype, "deterministic")
+    assert all(bitwise for bitwise, _, _ in got.values()), got
