@@ -3,7 +3,8 @@
 One launch of 4 ranks (cp_workers.py) runs CP = 4 over the default group, then CP = 2 on the groups {0, 1} and
 {2, 3} at once, each with cuts on chunk edges and inside chunks, and compares every result with the
 single-process op. Shapes are tiny (l = 64, chunk 16, h = 2, p = 4, n = 4): the kernels run in Triton's
-interpreter.
+interpreter. On a GPU, the same ring runs as ranks of one process (point-to-point calls through in-process
+queues), and over NCCL where there are two GPUs.
 """
 import collections
 import json
