@@ -18,7 +18,7 @@ def test_every_chapter_has_a_summary_and_a_status():
 
 
 def test_readme_table_is_the_notebooks_table():
-    assert chapters.main(["--check"]) == 0, "run python -m mambalab.chapters to rewrite README.md's chapter table"
+    assert chapters.main(["--check"]) == 0, "run python -m mambalab.workbook.chapters to rewrite README.md's chapter table"
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for entry in chapters.chapters():
         assert entry.status.replace("|", "\\|") in readme

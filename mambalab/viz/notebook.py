@@ -177,7 +177,7 @@ class LiveFigure:
     The figure lives in an ``ipywidgets.Output`` whose contents the kernel replaces (:meth:`update`), so a
     callback redraws it wherever a widget manager runs. (An IPython display handle updated from a widget
     callback is not: JupyterLab routes that message to no cell.) :meth:`display` shows the Output widget with a
-    stand-in for pages without a widget manager (:mod:`mambalab.pages`): ``page_html`` if given, else the first
+    stand-in for pages without a widget manager (:mod:`mambalab.workbook.pages`): ``page_html`` if given, else the first
     figure's HTML.
     """
 

@@ -7,7 +7,7 @@ table.
 * :mod:`~mambalab.workbook.pages`: an executed notebook as one HTML page that needs no network (math as MathML,
   widgets as static HTML, plotly.js embedded).
 * :mod:`~mambalab.workbook.chapters`: the chapter table from the notebooks' metadata, which chapter 00 shows and
-  the README holds (``python -m mambalab.chapters`` rewrites the README's copy).
+  the README holds (``python -m mambalab.workbook.chapters`` rewrites the README's copy).
 """
 from mambalab.workbook.build import (BUILD_DIR, CHAPTER_PATTERN, NOTEBOOKS_DIR, PLOTLY_MIMETYPE, ROOT, Chapter,
                                      ThisInterpreterKernelManager, execute, find_notebooks, offline_figure_problems,

@@ -3,7 +3,7 @@ chapter 00 shows and the README holds.
 
 Each notebook's metadata carries ``"mambalab": {"summary": …, "status": …}``: what the chapter teaches, in one
 line, and where it has run. :func:`chapters` reads them (the title is the notebook's first heading),
-:func:`markdown_table` writes the table, and ``python -m mambalab.chapters`` rewrites the README's copy between
+:func:`markdown_table` writes the table, and ``python -m mambalab.workbook.chapters`` rewrites the README's copy between
 its markers (``--check`` only says whether it is current; a test runs that check).
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 README = ROOT / "README.md"
-BEGIN = "<!-- chapter table: written by `python -m mambalab.chapters` from the notebooks' metadata -->"
+BEGIN = "<!-- chapter table: written by `python -m mambalab.workbook.chapters` from the notebooks' metadata -->"
 END = "<!-- end of chapter table -->"
 
 
@@ -87,7 +87,7 @@ def readme_with_table(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mambalab.chapters",
+    parser = argparse.ArgumentParser(prog="python -m mambalab.workbook.chapters",
                                      description="Rewrite the README's chapter table from the notebooks' metadata.")
     parser.add_argument("--check", action="store_true", help="only say whether the README's table is current")
     args = parser.parse_args(argv)
@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         text = README.read_text(encoding="utf-8")
         current = readme_with_table(text, markdown_table())
     except ValueError as err:
-        print(f"mambalab.chapters: error: {err}", file=sys.stderr)
+        print(f"mambalab.workbook.chapters: error: {err}", file=sys.stderr)
         return 2
     if args.check:
         if current != text:
-            print("README.md's chapter table differs from the notebooks' metadata: run python -m mambalab.chapters",
+            print("README.md's chapter table differs from the notebooks' metadata: run python -m mambalab.workbook.chapters",
                   file=sys.stderr)
             return 1
         return 0
