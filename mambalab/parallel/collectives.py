@@ -24,17 +24,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["copy_to_tp", "reduce_from_tp", "gather_along", "reduce_scatter_along", "all_gather_cat",
+__all__ = ["copy_to_tp", "reduce_from_tp", "gather_along", "reduce_scatter_along", "all_gather_cat", "group_size",
            "reduce_scatter"]
 
 
-def _size(group) -> int:
+def group_size(group) -> int:
+    """Ranks in ``group`` (1 when torch.distributed is not initialised: a single process)."""
     return dist.get_world_size(group) if dist.is_initialized() else 1
 
 
 def all_gather_cat(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` (same shape on all ranks) along ``dim``, in rank order."""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(world)]
@@ -44,7 +45,7 @@ def all_gather_cat(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Sum ``x`` over ranks and keep rank r's r-th of T equal slices along ``dim``."""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     if x.shape[dim] % world:
@@ -70,7 +71,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        if _size(ctx.group) > 1:
+        if group_size(ctx.group) > 1:
             dist.all_reduce(grad, group=ctx.group)
         return grad, None
 
@@ -79,7 +80,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        if _size(group) > 1:
+        if group_size(group) > 1:
             dist.all_reduce(x, group=group)
         return x
 

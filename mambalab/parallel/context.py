@@ -81,6 +81,7 @@ from mambalab import validate
 from mambalab.determinism import resolve_reduction
 from mambalab.kernels import ssd as _kernels
 from mambalab.kernels.reduce import sum_partials
+from mambalab.parallel.collectives import group_size
 from mambalab.ops.conv1d import WIDTHS, causal_conv_taps
 from mambalab.ops.ssd import _check, _prepare   # the op's own checks and kernel inputs, so its bits are ours
 
@@ -99,7 +100,7 @@ def _ranks(group):
 def _agree(what: str, local: list[int], error: Exception | None, device, group) -> torch.Tensor:
     """All-gather every rank's sizes (ints) and whether its own inputs passed their checks, so that a bad input
     on one rank makes every rank raise (the others would wait for it forever). Returns (R, len(local))."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = group_size(group)
     mine = torch.tensor([error is None, *local], dtype=torch.int64, device=device)
     rows = [torch.empty_like(mine) for _ in range(world)]
     if world > 1:
@@ -119,7 +120,7 @@ def _agree(what: str, local: list[int], error: Exception | None, device, group) 
 def sum_over_ranks(t: torch.Tensor, group=None) -> torch.Tensor:
     """Σ_r t_r over the group, added left to right in rank order, ((t_0 + t_1) + t_2) + …: the same bits on every
     run (an all-reduce's order is the library's). All-gathers R copies of t: meant for parameter gradients."""
-    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    world = group_size(group)
     if world == 1:
         return t
     parts = [torch.empty_like(t) for _ in range(world)]
