@@ -15,7 +15,8 @@
         vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), medians of
         common.time_ms.
 
-gpu_run.sh's `compat` step runs both, once per mamba-ssm mode, one process each.
+gpu_run.sh's `compat` step runs the fingerprints and `compat-speed` the speed, once per mamba-ssm mode, one process
+each.
 """
 from __future__ import annotations
 

@@ -40,10 +40,12 @@
 #   profile-decode*     one decode step's kernels as CUDA graphs, mambalab against mamba-ssm, batch 1
 #   generation*         bench_generation.py against mamba-ssm's generate: mamba2-130m, mamba2-2.7b, then mamba-130m
 #   generation-CONFIG   one of those configurations (generation-mamba-130m waits for the extension)
+#   train-step          bench_train_step.py: one training step of mamba2-2.7b's shape at 8,192 tokens (memory, tokens/s)
 #   tp-bench            bench_tp.py: TP = 1 on one GPU, TP = 2 on two
 #   ccd-ext             build the causal_conv1d package in the background (compat-tests and compat need it)
 #   compat*             mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py): fingerprints in
-#                       both mamba-ssm modes, their GPU tests, the speed (needs ccd-ext earlier, .carry/transformers)
+#                       both mamba-ssm modes and their GPU tests (needs ccd-ext earlier, .carry/transformers)
+#   compat-speed*       bench_compat.py speed, routed against mamba-ssm in each of its modes (needs ccd-ext earlier)
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -155,6 +157,8 @@ for step in "$@"; do
     generation-*) config=${step#generation-}; case $config in mamba-*) ext_ready ;; esac
                   within python3 benchmarks/bench_generation.py --configs "$config" --out "$OUT/generation_$config.json" \
                     >>"$log" 2>&1; show="tok/s|Error|error" ;;
+    train-step) within python3 benchmarks/bench_train_step.py --out "$OUT/train_step_2.7b_8k.json" >>"$log" 2>&1
+                show="^\{|Error|error" ;;
     tp-bench) for tp in 1 2; do
                 within python3 -m torch.distributed.run --standalone --nproc_per_node $tp benchmarks/bench_tp.py --tp $tp \
                   --steps 12 --warmup-steps 4 --out "$OUT/tp" >>"$log" 2>&1
@@ -168,13 +172,14 @@ for step in "$@"; do
             MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 within python3 benchmarks/bench_compat.py fingerprints \
               --out "$OUT/compat" >>"$log" 2>&1
             run_pytest -q -m gpu tests/test_compat_gpu.py
-            within python3 benchmarks/bench_compat.py speed --out "$OUT/compat/compat_speed_default.json" >>"$log" 2>&1
-            MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py speed \
-              --out "$OUT/compat/compat_speed_deterministic.json" >>"$log" 2>&1
             # the JSON and the routed steps' .pt files (mambalab fingerprint --compare them across GPUs), in parts
             # small enough to come back from the device machine (16 MiB a file)
             tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"
             show="^\{|passed|failed|rror|ccd build" ;;
+    compat-speed) ccd_ready   # one process per mamba-ssm mode
+                  within python3 benchmarks/bench_compat.py speed --out "$OUT/compat_speed_default.json" >>"$log" 2>&1
+                  MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py speed \
+                    --out "$OUT/compat_speed_deterministic.json" >>"$log" 2>&1; show="^\{|rror" ;;
     *) echo "unknown step $step" >>"$log" ;;
   esac
   if [ -n "$show" ]; then grep -E "$show" "$log" | cut -c1-300 | tail -n 40; else tail -n 6 "$log"; fi
