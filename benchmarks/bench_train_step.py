@@ -1,7 +1,7 @@
 """One training step of a Mamba-2 of mamba2-2.7b's shape on one GPU, as mambalab's trainer runs it: where the
 memory goes and how many tokens a second.
 
-    python benchmarks/bench_train_step.py --out FILE [--batch 1] [--seq-len 8192] [--steps 6]
+    python benchmarks/bench_train_step.py --out FILE [--batch 1] [--seq-len 2048 4096 8192] [--steps 6]
 
 The model is the trainer's (``TensorParallelMambaLM`` at TP = 1, fp32 parameters; d_model 2560, 64 layers,
 d_state 128, headdim 64, one group, chunk 256, vocabulary 50288, tied head), the step the trainer's
@@ -23,11 +23,13 @@ Beside it, the cost model of chapter 06 (:func:`mambalab.parallel.cost.memory_pe
 for weights, gradients and AdamW's moments), which does not count activations.
 
 The step time is the median over steps 2 … N of the host's wall time with the GPU synchronised at each end,
-the trainer's own ``step_time_s``. Out of memory is recorded with the phase it happened in, not raised.
+the trainer's own ``step_time_s``. Out of memory is recorded with the phase it happened in, not raised. One row
+per sequence length, each with a fresh model, so the activations' growth with the length is measured, not assumed.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -65,6 +67,7 @@ def measure(batch: int, seq_len: int, steps: int) -> dict:
 
 def _run(row: dict, config, device, batch: int, seq_len: int, steps: int) -> None:
     """Build, then run ``steps`` training steps, filling ``row`` as each phase ends."""
+    torch.cuda.reset_peak_memory_stats()
     from mambalab.parallel.layout import single_process_layout
     from mambalab.parallel.lm import TensorParallelMambaLM
 
@@ -106,19 +109,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="the JSON file to write")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--seq-len", type=int, nargs="+", default=[2048, 4096, 8192])
     parser.add_argument("--steps", type=int, default=6, help="steps run; the first is not timed (default 6)")
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps: at least 2 expected (the first compiles and is not timed)")
     if not torch.cuda.is_available():
         parser.error("a CUDA GPU is required")
-    row = measure(args.batch, args.seq_len, args.steps)
-    print(json.dumps(row), flush=True)
-    result = dict(environment=environment(), rows=[row],
-                  command=f"python benchmarks/bench_train_step.py --batch {args.batch} --seq-len {args.seq_len} "
-                          f"--steps {args.steps}")
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    rows = []
+    for seq_len in args.seq_len:
+        rows.append(measure(args.batch, seq_len, args.steps))
+        print(json.dumps(rows[-1]), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        result = dict(environment=environment(), rows=rows,
+                      command=f"python benchmarks/bench_train_step.py --batch {args.batch} --seq-len "
+                              f"{' '.join(map(str, args.seq_len))} --steps {args.steps}")
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")   # after each row
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@
 #   profile-decode*     one decode step's kernels as CUDA graphs, mambalab against mamba-ssm, batch 1
 #   generation*         bench_generation.py against mamba-ssm's generate: mamba2-130m, mamba2-2.7b, then mamba-130m
 #   generation-CONFIG   one of those configurations (generation-mamba-130m waits for the extension)
-#   train-step          bench_train_step.py: one training step of mamba2-2.7b's shape at 8,192 tokens (memory, tokens/s)
+#   train-step          bench_train_step.py: a training step of mamba2-2.7b's shape, 2,048 to 8,192 tokens
 #   tp-bench            bench_tp.py: TP = 1 on one GPU, TP = 2 on two
 #   ccd-ext             build the causal_conv1d package in the background (compat-tests and compat need it)
 #   compat*             mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py): fingerprints in
@@ -157,7 +157,7 @@ for step in "$@"; do
     generation-*) config=${step#generation-}; case $config in mamba-*) ext_ready ;; esac
                   within python3 benchmarks/bench_generation.py --configs "$config" --out "$OUT/generation_$config.json" \
                     >>"$log" 2>&1; show="tok/s|Error|error" ;;
-    train-step) within python3 benchmarks/bench_train_step.py --out "$OUT/train_step_2.7b_8k.json" >>"$log" 2>&1
+    train-step) within python3 benchmarks/bench_train_step.py --out "$OUT/train_step_2.7b.json" >>"$log" 2>&1
                 show="^\{|Error|error" ;;
     tp-bench) for tp in 1 2; do
                 within python3 -m torch.distributed.run --standalone --nproc_per_node $tp benchmarks/bench_tp.py --tp $tp \
