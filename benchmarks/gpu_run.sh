@@ -38,6 +38,7 @@
 #   decode-regs         its register cap (bench_mamba3.py step-register-sweep)
 #   decode-ncu          Nsight Compute on its kernel at r = 1 and 4 (bench_mamba3.py step-launches)
 #   profile-decode*     one decode step's kernels as CUDA graphs, mambalab against mamba-ssm, batch 1
+#   profile-decode-CONFIG  the same for one configuration of bench_generation.py (mamba-* waits for the extension)
 #   generation*         bench_generation.py against mamba-ssm's generate: mamba2-130m, mamba2-2.7b, then mamba-130m
 #   generation-CONFIG   one of those configurations (generation-mamba-130m waits for the extension)
 #   train-step          bench_train_step.py: a training step of mamba2-2.7b's shape, 2,048 to 8,192 tokens
@@ -149,6 +150,9 @@ for step in "$@"; do
                 show="DRAM Throughput|Duration|Memory Throughput|Achieved Occupancy|Issue Slots Busy|Registers Per|No Eligible|mamba3_step_kernel|ERR|rror" ;;
     profile-decode) ext_ready; within python3 benchmarks/profile_decode.py --configs mamba-130m mamba2-130m --batch 1 \
                       --out "$OUT/profile_decode.json" >>"$log" 2>&1 ;;
+    profile-decode-*) config=${step#profile-decode-}; case $config in mamba-*) ext_ready ;; esac
+                      within python3 benchmarks/profile_decode.py --configs "$config" --batch 1 \
+                        --out "$OUT/profile_decode_$config.json" >>"$log" 2>&1 ;;
     generation) # the Mamba-2 configurations first (mamba-ssm's Triton kernels), then Mamba-1 (its CUDA extension)
                 within python3 benchmarks/bench_generation.py --configs mamba2-130m mamba2-2.7b \
                   --out "$OUT/generation_mamba2.json" >>"$log" 2>&1
