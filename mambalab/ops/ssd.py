@@ -7,6 +7,9 @@
   through ``reduction``: "atomic" or "deterministic" (see :mod:`mambalab.kernels.ssd.backward`).
 * :func:`ssd_chunk_scan_forward`: the forward alone; it raises NotImplementedError rather than returning
   outputs without a graph when autograd is recording.
+* :func:`check_inputs`, :func:`kernel_inputs`: the op's validation and the tensors its kernels read, for
+  callers that launch the kernels' steps themselves (the context-parallel ring, :mod:`mambalab.parallel.context`),
+  so they accept what the op accepts and their kernels see the op's inputs, bit for bit.
 
 Packed sequences: several sequences laid end to end along l, ``seq_idx`` (b, l) giving each position's
 sequence (nondecreasing); the state restarts at every change, so each sequence's outputs are those it would
@@ -261,6 +264,27 @@ def _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states):
     A_ = A.float().contiguous()
     init_ = initial_states.float().contiguous() if initial_states is not None else None
     return x_, dt_, A_, B_, C_, D_, z_, bias_, init_
+
+
+def check_inputs(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
+                 dt_limit=(0.0, float("inf")), seq_idx=None, *, backward: bool):
+    """The checks :func:`ssd_chunk_scan` makes at its boundary, for a caller that launches the kernels' steps itself.
+
+    Arguments as :func:`ssd_chunk_scan`'s (``backward``: check the backward's limits too). Raises TypeError /
+    ValueError naming the argument, before any launch. Returns (seq_idx as the kernels take it, (b, l) int32
+    contiguous, or None; the checks still to run just before the first launch, that dt is finite and seq_idx
+    nondecreasing, each with a ``check()`` method: they read a value back from the device).
+    """
+    seq_idx, _, checks = _check(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, dt_limit, seq_idx,
+                                backward=backward)
+    return seq_idx, checks
+
+
+def kernel_inputs(x, dt, A, B, C, D=None, z=None, dt_bias=None, initial_states=None):
+    """The tensors the kernels read, made from inputs that passed :func:`check_inputs`: (x, dt, A, B, C, D, z,
+    dt_bias, initial_states) contiguous, in the kernels' dtypes (B and C in x's, A and initial_states fp32; on
+    the CPU interpreter fp32 throughout), None where the input is None. The op makes its own the same way."""
+    return _prepare(x, dt, A, B, C, D, z, dt_bias, initial_states)
 
 
 class SSDChunkScanFn(torch.autograd.Function):

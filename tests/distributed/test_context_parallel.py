@@ -154,14 +154,19 @@ def _agree_alone(what, local, error, device, group):
     return torch.tensor([local], dtype=torch.int64)
 
 
-def _virtual_ring(monkeypatch, pieces, device, dtype, reduction):
+def _virtual_ring(monkeypatch, pieces, device, dtype, reduction, sizes=(2, 4, 16, 16, 64), seq_idx=None):
     """context_parallel_ssd and context_parallel_conv1d over ``pieces`` (lengths along l) as ranks of one
-    process (:class:`_Mailbox`), against the single-process ops: {name: (bitwise, max |difference|, scale)}."""
+    process (:class:`_Mailbox`), against the single-process ops: {name: (bitwise, max |difference|, scale)}.
+    sizes: (b, h, p, n, chunk). seq_idx: (b, l) packed sequences, each rank passing its piece (the ranks' first
+    and last indices, which the ops all-gather, are read from the whole)."""
     mail = _Mailbox(len(pieces))
+    bounds = [sum(pieces[:r]) for r in range(len(pieces) + 1)]
     monkeypatch.setattr(context, "dist", types.SimpleNamespace(isend=mail.isend, recv=mail.recv))
     monkeypatch.setattr(context, "_ranks", mail.ranks)
     monkeypatch.setattr(context, "_agree", _agree_alone)
-    b, h, p, n, q, L = 2, 4, 16, 16, 64, sum(pieces)
+    monkeypatch.setattr(context, "_sequence_ends", lambda what, piece, k, group: torch.stack(
+        [torch.cat([seq_idx[:, lo:lo + k], seq_idx[:, hi - k:hi]], 1).long() for lo, hi in zip(bounds, bounds[1:])]))
+    (b, h, p, n, q), L = sizes, sum(pieces)
     gen = torch.Generator().manual_seed(5)
     seq = {k: torch.randn(*shape, generator=gen).to(device, dtype) for k, shape in
            (("x", (b, L, h, p)), ("B", (b, L, 1, n)), ("C", (b, L, 1, n)), ("z", (b, L, h, p)))}
@@ -172,13 +177,14 @@ def _virtual_ring(monkeypatch, pieces, device, dtype, reduction):
     w_out, w_conv = torch.randn(b, L, h, p, generator=gen).to(device), torch.randn(b, 8, L, generator=gen).to(device)
 
     def loss(ins, lo, hi, last):
+        piece = None if seq_idx is None else seq_idx[:, lo:hi].to(device)
         y, final = context_parallel_ssd(ins["x"], ins["dt"], A, ins["B"], ins["C"], q, D=D, z=ins["z"],
-                                        dt_softplus=True, return_final_states=True, reduction=reduction)
-        conv = context_parallel_conv1d(ins["u"], weight, activation="silu")
+                                        dt_softplus=True, return_final_states=True, reduction=reduction,
+                                        seq_idx=piece)
+        conv = context_parallel_conv1d(ins["u"], weight, activation="silu", seq_idx=piece)
         total = (y.float() * w_out[:, lo:hi]).sum() + (conv.float() * w_conv[..., lo:hi]).sum()
         return total + ((final * w_out[:, 0, :, :, None]).sum() if last else 0.0), y, conv
 
-    bounds = [sum(pieces[:r]) for r in range(len(pieces) + 1)]
     runs = []
     for r in range(len(pieces)):   # forwards in rank order
         mail.rank = r
@@ -193,9 +199,10 @@ def _virtual_ring(monkeypatch, pieces, device, dtype, reduction):
 
     monkeypatch.undo()
     ins = {k: v.clone().requires_grad_() for k, v in seq.items()}
+    whole = None if seq_idx is None else seq_idx.to(device)
     y, final = ssd_chunk_scan(ins["x"], ins["dt"], A, ins["B"], ins["C"], q, D=D, z=ins["z"], dt_softplus=True,
-                              return_final_states=True, reduction=reduction)
-    conv = causal_conv1d_fn(ins["u"], weight, activation="silu")
+                              return_final_states=True, reduction=reduction, seq_idx=whole)
+    conv = causal_conv1d_fn(ins["u"], weight, activation="silu", seq_idx=whole)
     ((y.float() * w_out).sum() + (conv.float() * w_conv).sum() + (final * w_out[:, 0, :, :, None]).sum()).backward()
     want = {"out": y, "conv": conv, **{f"d{k}": ins[k].grad for k in seq}}
     return {k: (torch.equal(got[k], want[k]), (got[k].float() - want[k].float()).abs().max().item(),
@@ -210,3 +217,28 @@ def test_the_ring_on_one_gpu_gives_the_single_process_bits(monkeypatch, dtype):
     edges (4 ranks of 128 positions, chunk 64): out, the conv, and every per-position gradient, bitwise."""
     got = _virtual_ring(monkeypatch, [128, 128, 128, 128], "cuda", dtype, "deterministic")
     assert all(bitwise for bitwise, _, _ in got.values()), got
+
+
+def test_packed_sequences_across_the_cuts_give_the_single_process_bits(monkeypatch):
+    """Three ranks of 32 positions (chunk 16; cuts at 32 and 64), on the CPU. Row 0: a sequence runs from 20 to
+    45, across the first cut, and one starts exactly at the second; row 1: one starts exactly at the first cut
+    and one at 62, two positions before the second (the conv's halo reads both sequences). The state that
+    crosses a cut reaches only the sequence it belongs to: out, the final state's use, the conv and every
+    per-position gradient equal the single process's bit for bit."""
+    seq_idx = torch.zeros(2, 96, dtype=torch.int32)
+    seq_idx[0, 20:], seq_idx[0, 45:], seq_idx[0, 64:] = 1, 2, 3
+    seq_idx[1, 32:], seq_idx[1, 62:] = 1, 4
+    got = _virtual_ring(monkeypatch, [32, 32, 32], "cpu", torch.float32, "deterministic", sizes=(2, 2, 4, 4, 16),
+                        seq_idx=seq_idx)
+    assert set(got) == {"out", "conv", "dx", "dB", "dC", "dz", "ddt", "du"}
+    assert all(bitwise for bitwise, _, _ in got.values()), got
+
+
+def test_packed_sequences_refuse_padding_and_a_wrong_shape():
+    x, dt, A, B, C = _ssd_inputs(torch.Generator().manual_seed(6))
+    padded = torch.zeros(1, 32, dtype=torch.int32)
+    padded[0, 30:] = -1
+    with pytest.raises(ValueError, match=r"seq_idx must be nonnegative under context parallelism"):
+        context_parallel_ssd(x, dt, A, B, C, 16, seq_idx=padded)
+    with pytest.raises(ValueError, match=r"seq_idx must have shape \(b, l_r\)"):
+        context_parallel_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4), seq_idx=padded)
