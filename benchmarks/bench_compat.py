@@ -14,6 +14,8 @@
         fp32 parameters) of mamba-ssm's MambaLMHeadModel with Mamba-2 layers, d_model 2048, 8 layers, b 4, l 4096,
         vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), medians of
         common.time_ms.
+    python benchmarks/bench_compat.py profile --out FILE    that step under torch.profiler, routed and mamba-ssm's
+        own: the operators and kernels that take the time.
 
 gpu_run.sh's `compat` step runs the fingerprints and `compat-speed` the speed, once per mamba-ssm mode, one process
 each.
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, time_ms, write  # noqa: E402
+from common import environment, profile_table, time_ms, write  # noqa: E402
 
 PROFILES = ("rtx4090", "rtxa6000")
 
@@ -114,9 +116,9 @@ def fingerprints(out: Path) -> dict:
     return result
 
 
-def speed() -> dict:
+def _speed_model():
+    """The speed benchmark's model and its training step (a closure)."""
     from mambalab import oracle
-    from mambalab.compat import use_mambalab_kernels
 
     oracle.load()
     from mamba_ssm.models.config_mamba import MambaConfig
@@ -133,6 +135,13 @@ def speed() -> dict:
             logits = model(ids[:, :-1]).logits
         torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten()).backward()
 
+    return train_step
+
+
+def speed() -> dict:
+    from mambalab.compat import use_mambalab_kernels
+
+    train_step = _speed_model()
     own = time_ms(train_step, warmup=500, rep=2000)
     with use_mambalab_kernels():
         routed = time_ms(train_step, warmup=500, rep=2000)
@@ -142,15 +151,31 @@ def speed() -> dict:
     return dict(environment=environment(), command=f"bench_compat.py speed (mamba-ssm {_mode()} mode)", rows=[row])
 
 
+def profile() -> dict:
+    """The speed benchmark's step under torch.profiler (common.profile_table), routed and mamba-ssm's own."""
+    from mambalab.compat import use_mambalab_kernels
+
+    train_step = _speed_model()
+    own = profile_table(train_step, steps=2, rows=25)
+    with use_mambalab_kernels():
+        routed = profile_table(train_step, steps=2, rows=25)
+    for side, table in (("routed", routed), ("mamba_ssm", own)):
+        print(f"--- {side} ({_mode()} mode): ms a step, calls a step, operator or kernel")
+        for r in table:
+            print(f"{r['self_ms_per_step']:9.2f} {r['calls_per_step']:7.0f}  {r['name'][:110]}")
+    return dict(environment=environment(), command=f"bench_compat.py profile (mamba-ssm {_mode()} mode)",
+                routed=routed, mamba_ssm=own)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("fingerprints", "speed"))
-    parser.add_argument("--out", required=True, help="fingerprints: a folder; speed: a JSON file")
+    parser.add_argument("what", choices=("fingerprints", "speed", "profile"))
+    parser.add_argument("--out", required=True, help="fingerprints: a folder; speed, profile: a JSON file")
     args = parser.parse_args()
     if args.what == "fingerprints":
         fingerprints(Path(args.out))
     else:
-        write(args.out, speed())
+        write(args.out, speed() if args.what == "speed" else profile())
 
 
 if __name__ == "__main__":

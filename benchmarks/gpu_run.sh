@@ -47,6 +47,7 @@
 #   compat*             mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py): fingerprints in
 #                       both mamba-ssm modes and their GPU tests (needs ccd-ext earlier, .carry/transformers)
 #   compat-speed*       bench_compat.py speed, routed against mamba-ssm in each of its modes (needs ccd-ext earlier)
+#   compat-profile*     bench_compat.py profile: that step's operators and kernels, mamba-ssm's deterministic mode
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -184,6 +185,8 @@ for step in "$@"; do
                   within python3 benchmarks/bench_compat.py speed --out "$OUT/compat_speed_default.json" >>"$log" 2>&1
                   MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py speed \
                     --out "$OUT/compat_speed_deterministic.json" >>"$log" 2>&1; show="^\{|rror" ;;
+    compat-profile) ccd_ready; MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py profile \
+                      --out "$OUT/compat_profile.json" >>"$log" 2>&1; show="^ |---|rror" ;;
     *) echo "unknown step $step" >>"$log" ;;
   esac
   if [ -n "$show" ]; then grep -E "$show" "$log" | cut -c1-300 | tail -n 40; else tail -n 6 "$log"; fi
