@@ -1,14 +1,22 @@
-"""The 2-D layout of a run: tensor parallelism (TP) inside a node, data parallelism (DP) across nodes.
+"""The 3-D layout of a run: tensor parallelism (TP), context parallelism (CP) and data parallelism (DP).
 
-torchrun starts ``WORLD_SIZE`` processes and gives each ``RANK`` and ``LOCAL_RANK``. With TP = T and
-DP = W / T, global rank r sits at
+torchrun starts ``WORLD_SIZE`` = DP · CP · TP processes and gives each ``RANK`` and ``LOCAL_RANK``. With
+TP = T and CP = K, global rank r sits at
 
-    tp_rank = r mod T,    dp_rank = r div T
+    tp_rank = r mod T,    cp_rank = (r div T) mod K,    dp_rank = r div (T · K)
 
-so the T ranks of one TP group are consecutive: with ``--nproc_per_node T`` they are one node's GPUs
-(the all-reduce of every layer stays on NVLink) and the DP groups span nodes (one gradient all-reduce per
-step crosses the network). Each rank belongs to one TP group {dp_rank·T + i} and one DP group
-{j·T + tp_rank}.
+so TP varies fastest: the T ranks of one TP group are consecutive, and with ``--nproc_per_node T`` (or a
+multiple) they share a node, where the all-reduce of every layer stays on NVLink. The K ranks of a CP group
+come next (each holds one contiguous piece of every sequence, in cp_rank order; between them pass the SSD's
+state and the convolution's halo, once per layer, and one gradient sum per step), and the DP groups span the
+rest (one gradient all-reduce per step). Each rank belongs to three groups, every rank building all of them in
+one order:
+
+    TP group  {(d · K + k) · T + t : t < T}      same dp_rank and cp_rank
+    CP group  {(d · K + k) · T + t : k < K}      same dp_rank and tp_rank
+    DP group  {(d · K + k) · T + t : d < DP}     same cp_rank and tp_rank
+
+With CP = 1 this is the 2-D layout, rank r at tp_rank = r mod T, dp_rank = r div T.
 
 :func:`init_distributed` starts the process group with a timeout (a collective that waits longer than
 that for a peer raises instead of hanging) and builds the groups.
@@ -27,7 +35,7 @@ __all__ = ["ParallelLayout", "check_divides", "init_distributed", "single_proces
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """Where this process sits: ranks and sizes of its TP and DP groups (groups None in one process)."""
+    """Where this process sits: ranks and sizes of its TP, DP and CP groups (groups None in one process)."""
 
     world_size: int
     rank: int
@@ -39,6 +47,9 @@ class ParallelLayout:
     tp_group: object = None
     dp_group: object = None
     backend: str = "none"
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: object = None
 
     @property
     def is_main(self) -> bool:
@@ -52,7 +63,7 @@ class ParallelLayout:
 
 
 def single_process_layout() -> ParallelLayout:
-    """TP = DP = 1, no process group."""
+    """TP = CP = DP = 1, no process group."""
     return ParallelLayout(world_size=1, rank=0, tp=1, dp=1, tp_rank=0, dp_rank=0, local_rank=0)
 
 
@@ -64,32 +75,36 @@ def check_divides(tp: int, **sizes: int) -> None:
                              f"{name} / tp of them")
 
 
-def layout_from_env(tp: int, dp: int | None = None, env=os.environ) -> tuple[int, int, int, int]:
-    """(world_size, rank, local_rank, dp) from torchrun's variables, checking world_size == tp · dp."""
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive int; got {tp!r}")
+def layout_from_env(tp: int, dp: int | None = None, env=os.environ, cp: int = 1) -> tuple[int, int, int, int]:
+    """(world_size, rank, local_rank, dp) from torchrun's variables, checking world_size == tp · cp · dp."""
+    for name, size in (("tp", tp), ("cp", cp)):
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be a positive int; got {size!r}")
     world = int(env.get("WORLD_SIZE", "1"))
     rank = int(env.get("RANK", "0"))
     local_rank = int(env.get("LOCAL_RANK", "0"))
+    inner, what = tp * cp, ("tp" if cp == 1 else "tp × cp")
     if dp is None:
-        if world % tp:
-            raise ValueError(f"world size {world} (WORLD_SIZE from torchrun) is not a multiple of tp = {tp}; "
-                             f"it must equal tp × dp")
-        dp = world // tp
-    if tp * dp != world:
-        raise ValueError(f"world size {world} (WORLD_SIZE) != tp × dp = {tp} × {dp} = {tp * dp}")
+        if world % inner:
+            raise ValueError(f"world size {world} (WORLD_SIZE from torchrun) is not a multiple of {what} = {inner}; "
+                             f"it must equal {what} × dp")
+        dp = world // inner
+    if inner * dp != world:
+        sizes = f"{tp} × {dp}" if cp == 1 else f"{tp} × {cp} × {dp}"
+        raise ValueError(f"world size {world} (WORLD_SIZE) != {what} × dp = {sizes} = {inner * dp}")
     return world, rank, local_rank, dp
 
 
 def init_distributed(tp: int, dp: int | None = None, backend: str | None = None,
-                     timeout_s: float = 60.0) -> ParallelLayout:
+                     timeout_s: float = 60.0, cp: int = 1) -> ParallelLayout:
     """Start the process group from torchrun's environment and return this rank's layout.
 
     backend: "nccl" when CUDA is available, else "gloo", unless given. timeout_s bounds how long any
     collective waits for a missing peer before raising (the trainer turns that into a clear error).
-    Without torchrun (no WORLD_SIZE) and tp = 1, returns :func:`single_process_layout`.
+    cp: ranks per context-parallel group (module docstring: the rank order). Without torchrun (no
+    WORLD_SIZE) and tp = cp = 1, returns :func:`single_process_layout`.
     """
-    world, rank, local_rank, dp = layout_from_env(tp, dp)
+    world, rank, local_rank, dp = layout_from_env(tp, dp, cp=cp)
     if world == 1 and not dist.is_initialized():
         return single_process_layout()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
@@ -100,17 +115,21 @@ def init_distributed(tp: int, dp: int | None = None, backend: str | None = None,
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         kw = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
-    tp_group = dp_group = None
-    # Every rank must create every group, in the same order.
-    for d in range(dp):
-        ranks = list(range(d * tp, (d + 1) * tp))
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            tp_group = g
-    for t in range(tp):
-        ranks = list(range(t, world, tp))
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            dp_group = g
-    return ParallelLayout(world_size=world, rank=rank, tp=tp, dp=dp, tp_rank=rank % tp, dp_rank=rank // tp,
-                          local_rank=local_rank, tp_group=tp_group, dp_group=dp_group, backend=backend)
+    at = lambda d, k, t: (d * cp + k) * tp + t   # the module docstring's rank order
+    tp_rank, cp_rank, dp_rank = rank % tp, (rank // tp) % cp, rank // (tp * cp)
+    # Every rank must create every group, in the same order: the TP groups, the DP groups, then the CP groups.
+    mine = {}
+
+    def build(kind: str, all_members) -> None:
+        for ranks in all_members:
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                mine[kind] = g
+
+    build("tp", ([at(d, k, t) for t in range(tp)] for d in range(dp) for k in range(cp)))
+    build("dp", ([at(d, k, t) for d in range(dp)] for k in range(cp) for t in range(tp)))
+    if cp > 1:   # (with CP = 1 the groups, and their order, are the 2-D layout's)
+        build("cp", ([at(d, k, t) for k in range(cp)] for d in range(dp) for t in range(tp)))
+    return ParallelLayout(world_size=world, rank=rank, tp=tp, dp=dp, tp_rank=tp_rank, dp_rank=dp_rank,
+                          local_rank=local_rank, tp_group=mine["tp"], dp_group=mine["dp"], backend=backend,
+                          cp=cp, cp_rank=cp_rank, cp_group=mine.get("cp"))
