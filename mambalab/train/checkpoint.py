@@ -1,7 +1,8 @@
-"""Sharded checkpoints: each TP rank of the first data-parallel replica writes its own shard.
+"""Sharded checkpoints: each TP rank of the first data-parallel replica (and first context-parallel rank) writes
+its own shard.
 
-    DIR/step_000020/meta.json           written by rank 0: step, tp, dp, the model and training config
-    DIR/step_000020/tp0-of-4.pt         rank (tp_rank=0, dp_rank=0): model shard, optimizer state, RNG state
+    DIR/step_000020/meta.json           written by rank 0: step, tp, cp, dp, the model and training config
+    DIR/step_000020/tp0-of-4.pt         rank (tp_rank=0, cp_rank=0, dp_rank=0): model shard, optimizer state, RNG
     …
     DIR/latest                          the name of the newest complete step folder
 
@@ -9,8 +10,8 @@ No rank ever holds the whole model. Writes are atomic: the shards and ``meta.jso
 ``DIR/.step_000020.partial/``, which is renamed to ``step_000020`` only after every rank has written (a
 barrier), and ``latest`` is replaced by a rename too. A run killed while saving therefore leaves every
 existing checkpoint intact and at most a ``.partial`` folder, which resume never reads. A checkpoint resumes
-only with the same TP degree (the shards are 1/T of each tensor); any DP degree works, as every replica
-holds the same weights.
+only with the same TP degree (the shards are 1/T of each tensor); any DP and any CP degree works, as every
+replica, and every rank of a CP group, holds the same weights and optimizer state.
 
 Loading is collective: every rank reports whether its files read, so a truncated shard on one rank ends
 every rank with a :class:`CheckpointError` naming the file, instead of the others waiting on a peer.
@@ -57,12 +58,12 @@ def save_checkpoint(directory: str | Path, step: int, model, optimizer, layout: 
         shutil.rmtree(partial, ignore_errors=True)      # what a killed save left behind
         partial.mkdir(parents=True)
     _barrier(layout)
-    if layout.dp_rank == 0:
+    if layout.dp_rank == 0 and getattr(layout, "cp_rank", 0) == 0:
         torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "rng": torch.get_rng_state()}, partial / _shard_name(layout))
     if layout.is_main:
-        (partial / "meta.json").write_text(json.dumps({"step": step, "tp": layout.tp, "dp": layout.dp, **meta},
-                                                      indent=2))
+        sizes = {"step": step, "tp": layout.tp, "cp": getattr(layout, "cp", 1), "dp": layout.dp}
+        (partial / "meta.json").write_text(json.dumps({**sizes, **meta}, indent=2))
     _barrier(layout)
     if layout.is_main:
         if folder.exists():   # the same step saved again: move the old one aside before the new one lands

@@ -4,6 +4,7 @@ One process (TP = 1):      python -m mambalab.train --steps 50
 Four ranks on one node:    torchrun --standalone --nproc_per_node 4 -m mambalab.train --tp 4
 Two nodes, TP 4 × DP 2:    torchrun --nnodes 2 --node_rank R --nproc_per_node 4 --rdzv_backend c10d \\
                                --rdzv_endpoint HOST:PORT -m mambalab.train --tp 4
+Sequences split in 2 (CP):  torchrun --standalone --nproc_per_node 4 -m mambalab.train --tp 2 --cp 2
 """
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ _MODEL_HELP = {"vocab_size": "vocabulary (TP must divide it)", "d_model": "width
                "reduction": "SSD backward reduction: atomic or deterministic (default: the switch decides)"}
 _RUN_HELP = {"task": "synthetic task", "steps": "optimizer steps", "batch_size": "sequences per DP replica and step",
              "seq_len": "tokens per sequence", "lr": "peak learning rate (warmup, then cosine to 10%%)",
-             "tp": "tensor-parallel degree (ranks per TP group)", "dp": "data-parallel degree (0: world / tp)",
+             "tp": "tensor-parallel degree (ranks per TP group)",
+             "cp": "context-parallel degree: ranks that split each sequence (seq_len / cp each; the kernel scan)",
+             "dp": "data-parallel degree (0: world / (tp · cp))",
              "sequence_parallel": "split activations along the sequence between blocks",
              "amp": "auto: bf16 autocast on GPU, none on CPU", "param_dtype": "master parameters' dtype (fp32!)",
              "init": "full: same weights for every TP degree; local: build only this rank's shard",
@@ -76,8 +79,9 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     import torch
 
     model_kw = {f.name: getattr(args, f.name) for f in _flag_fields(LMConfig)}
-    if model_kw["scan"] == "auto":   # the kernels on a GPU; on a CPU the reference (the interpreter is slow)
-        model_kw["scan"] = "kernel" if torch.cuda.is_available() else "reference"
+    if model_kw["scan"] == "auto":   # the kernels on a GPU or with CP (its ring runs them); else on a CPU the
+        # reference (the interpreter is slow)
+        model_kw["scan"] = "kernel" if torch.cuda.is_available() or args.cp > 1 else "reference"
     run_kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name != "model"}
     return TrainConfig(model=LMConfig(**model_kw), **run_kw)   # validated: ConfigError names a bad field
 

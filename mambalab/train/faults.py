@@ -18,8 +18,9 @@ __all__ = ["Watchdog", "crash_if_asked", "describe", "exit_on_peer_failure"]
 
 
 def describe(layout) -> str:
-    """This rank, as the messages name it: "rank R (tp_rank T, dp_rank D)"."""
-    return f"rank {layout.rank} (tp_rank {layout.tp_rank}, dp_rank {layout.dp_rank})"
+    """This rank, as the messages name it: "rank R (tp_rank T, dp_rank D)", with ", cp_rank K" when CP > 1."""
+    cp = f", cp_rank {layout.cp_rank}" if getattr(layout, "cp", 1) > 1 else ""
+    return f"rank {layout.rank} (tp_rank {layout.tp_rank}, dp_rank {layout.dp_rank}{cp})"
 
 
 def crash_if_asked(cfg, layout, step: int) -> None:

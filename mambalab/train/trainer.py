@@ -1,11 +1,13 @@
-"""The training loop: a (tensor- and data-) parallel Mamba-2 language model on a synthetic task.
+"""The training loop: a (tensor-, context- and data-) parallel Mamba-2 language model on a synthetic task.
 
 One step, on every rank:
 
-    ids, targets = make_batch(task, …, seed, step, dp_rank, dp)          the same on the T ranks of a TP group
+    ids, targets = make_batch(task, …, seed, step, dp_rank, dp)          the same on the T·K ranks of a replica
+    context parallel: keep this CP rank's piece of every sequence        ids[:, k·l/K : (k+1)·l/K]
     with autocast(bf16 on GPU):  loss = model.loss(ids, targets)          vocab-parallel cross-entropy
-    loss.backward()                                                       the layers' TP collectives
+    loss.backward()                                                       the layers' TP (and CP) collectives
     sequence parallel: all-reduce the norm weights' gradients over TP
+    context parallel: sum every gradient over CP, in rank order           (sum_context_parallel_grads)
     data parallel: average every gradient over DP
     clip by the global gradient norm (sharded parts summed over TP)
     AdamW step on fp32 master parameters
@@ -18,9 +20,9 @@ What makes it safe to run unattended:
   waiting on a dead peer). Both, and the fault injection the tests use, live in :mod:`mambalab.train.faults`.
 * **Exact resume.** Batches are a function of (seed, step), and checkpoints hold the model shard,
   the optimizer state and the RNG state, so a resumed run produces the losses an uninterrupted one would.
-* **Same start for every TP degree.** With ``init="full"`` each rank builds the whole TP = 1 model from the
-  seed on the CPU and keeps its shard, so TP = 1, 2 and 4 begin from the same weights and their losses can be
-  compared step by step. ``init="local"`` builds only the shard (for models too large to build whole).
+* **Same start for every TP and CP degree.** With ``init="full"`` each rank builds the whole TP = 1 model from
+  the seed on the CPU and keeps its shard, so TP = 1, 2 and 4 (and any CP) begin from the same weights and their
+  losses can be compared step by step. ``init="local"`` builds only the shard (for models too large to build whole).
 * **Bitwise repeatable** with ``deterministic``: mambalab's determinism switch is on for the run (and put
   back after), and ``summary.json`` records each rank's parameter fingerprint, so two runs compare exactly.
 """
@@ -40,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from mambalab.modules.lm import LMConfig, MambaLM, reset_biases
-from mambalab.parallel import (TensorParallelMambaLM, allreduce_data_parallel_grads, allreduce_replicated_grads,
-                               init_distributed, load_full_state_dict)
+from mambalab.parallel import (ContextParallelMambaLM, TensorParallelMambaLM, allreduce_data_parallel_grads,
+                               allreduce_replicated_grads, init_distributed, load_full_state_dict, sum_over_ranks)
+from mambalab.parallel.context_mamba2 import sum_context_parallel_grads
 from mambalab.parallel.sharding import REPLICATED, broadcast_parameters, shard_specs
 from mambalab.train.checkpoint import CheckpointError, latest_step_dir, load_checkpoint, read_meta, save_checkpoint
 from mambalab.train.faults import Watchdog, crash_if_asked, describe, exit_on_peer_failure
@@ -82,7 +85,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     tp: int = 1
-    dp: int = 0                    # 0: world_size / tp; else checked against it
+    cp: int = 1                    # context parallelism: ranks that split each sequence (seq_len / cp each)
+    dp: int = 0                    # 0: world_size / (tp · cp); else checked against it
     sequence_parallel: bool = False
     amp: str = "auto"              # "auto": bf16 autocast on GPU, none on CPU; "bf16"; "off"
     param_dtype: str = "fp32"      # the master parameters; "fp16" / "bf16" demonstrate the pitfall
@@ -156,6 +160,15 @@ class TrainConfig:
         integer("seed", self.seed, 0)
         integer("tp", self.tp, 1)
         integer("dp", self.dp, 0)
+        integer("cp", self.cp, 1)
+        if self.cp > 1:
+            need(m.scan == "kernel", f"cp = {self.cp} needs model.scan = 'kernel' (the context-parallel SSD runs the "
+                                     f"Triton kernels' steps); got {m.scan!r}")
+            need(self.seq_len % (self.cp * m.chunk_size) == 0,
+                 f"seq_len = {self.seq_len} must be a multiple of cp × model.chunk_size = {self.cp} × "
+                 f"{m.chunk_size}: each CP rank holds seq_len / cp positions, cut on chunk edges")
+            need(not self.sequence_parallel, "sequence_parallel must be off with cp > 1 (the sequence is already "
+                                             "split over the context-parallel group)")
         for what, size in (("nheads", m.nheads), ("model.ngroups", m.ngroups), ("model.vocab_size", m.vocab_size)):
             need(size % self.tp == 0, f"tp = {self.tp} must divide {what} = {size}")
         need(self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}; got {self.amp!r}")
@@ -199,23 +212,28 @@ def _fingerprint(model) -> str | None:
 
 
 def _build_model(cfg: TrainConfig, layout, device) -> TensorParallelMambaLM:
+    lm = ContextParallelMambaLM if cfg.cp > 1 else TensorParallelMambaLM   # the same parameters, by name
     if cfg.init == "full":
         torch.manual_seed(cfg.seed)
         full = MambaLM(cfg.model)                                   # on the CPU, fp32
         if cfg.init_hook != "none":
             reset_biases(full, respect_no_reinit=cfg.init_hook == "zero-biases-marked")
         torch.manual_seed(cfg.seed)
-        model = TensorParallelMambaLM(cfg.model, layout, cfg.sequence_parallel, device=device)
+        model = lm(cfg.model, layout, cfg.sequence_parallel, device=device)
         load_full_state_dict(model, full.state_dict(), layout.tp_rank)
         del full
     elif cfg.init == "local":
         torch.manual_seed(cfg.seed * 1009 + layout.tp_rank)
-        model = TensorParallelMambaLM(cfg.model, layout, cfg.sequence_parallel, device=device)
+        model = lm(cfg.model, layout, cfg.sequence_parallel, device=device)
         if cfg.init_hook != "none":
             reset_biases(model, respect_no_reinit=cfg.init_hook == "zero-biases-marked")
     else:
         raise ValueError(f"init must be 'full' or 'local'; got {cfg.init!r}")
     broadcast_parameters(model, layout)   # replicated copies equal across TP, replicas equal across DP
+    if layout.cp > 1:   # and every parameter equal across the CP group, from its first rank
+        with torch.no_grad():
+            for p in model.parameters():
+                dist.broadcast(p.data, src=dist.get_global_rank(layout.cp_group, 0), group=layout.cp_group)
     if cfg.param_dtype != "fp32":
         # The pitfall: every parameter (the fp32-kept A_log, D, dt_bias too) stored and updated in 16 bits.
         for p in model.parameters():
@@ -289,8 +307,8 @@ def train(cfg: TrainConfig) -> list[dict]:
     """Run the training; returns the per-step metrics (every rank computes them; rank 0 writes them)."""
     cfg.validate()   # fields may have been assigned after construction
     try:
-        layout = init_distributed(cfg.tp, cfg.dp or None, backend=cfg.backend, timeout_s=cfg.timeout_s)
-    except ValueError as e:   # the world size does not fit tp × dp
+        layout = init_distributed(cfg.tp, cfg.dp or None, backend=cfg.backend, timeout_s=cfg.timeout_s, cp=cfg.cp)
+    except ValueError as e:   # the world size does not fit tp × cp × dp
         raise ConfigError(str(e)) from None
     switch, model_config = _determinism(cfg)
     try:
@@ -344,7 +362,7 @@ def _open_outputs(cfg: TrainConfig, layout, out: Path | None, start: int):
         return None
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps({**cfg.to_dict(), "world_size": layout.world_size,
-                                                 "dp": layout.dp,
+                                                 "dp": layout.dp, "cp": layout.cp,
                                                  "num_parameters": cfg.model.num_parameters()}, indent=2))
     log = open(out / "metrics.jsonl", "a" if cfg.resume else "w")
     if cfg.resume:   # the steps after this line continue from a checkpoint
@@ -408,6 +426,9 @@ def _step(cfg: TrainConfig, layout, model, optimizer, specs, replicated, step: i
     t0 = time.perf_counter()
     ids, targets = make_batch(cfg.task, cfg.batch_size, cfg.seq_len, cfg.model.vocab_size, cfg.seed, step,
                               replica=layout.dp_rank, replicas=layout.dp)
+    if layout.cp > 1:   # this CP rank's piece of every sequence
+        piece = cfg.seq_len // layout.cp
+        ids, targets = (t[:, layout.cp_rank * piece:(layout.cp_rank + 1) * piece] for t in (ids, targets))
     ids, targets = ids.to(device), targets.to(device)
     for group in optimizer.param_groups:
         group["lr"] = _lr(cfg, step)
@@ -416,6 +437,7 @@ def _step(cfg: TrainConfig, layout, model, optimizer, specs, replicated, step: i
     loss.backward()
     if cfg.sequence_parallel:
         allreduce_replicated_grads(replicated, layout)
+    sum_context_parallel_grads(model, layout)   # each CP rank's gradient is its piece's part
     allreduce_data_parallel_grads(model, layout)
     grad_norm = _grad_norm(model, layout, specs)
     if cfg.grad_clip > 0 and torch.isfinite(grad_norm):
@@ -426,6 +448,8 @@ def _step(cfg: TrainConfig, layout, model, optimizer, specs, replicated, step: i
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_all = loss.detach().float().reshape(1)
+    if layout.cp > 1:   # each CP rank's loss is its pieces' share of the mean
+        loss_all = sum_over_ranks(loss_all, layout.cp_group)
     if layout.dp > 1:
         dist.all_reduce(loss_all, group=layout.dp_group)
         loss_all /= layout.dp
@@ -452,7 +476,7 @@ def _write_summary(cfg: TrainConfig, layout, model, metrics: list[dict], out: Pa
     if out is not None and layout.is_main:
         (out / "summary.json").write_text(json.dumps({
             "final_loss": metrics[-1]["loss"] if metrics else None, "steps": cfg.steps, "tp": layout.tp,
-            "dp": layout.dp, "num_parameters": cfg.model.num_parameters(),
+            "cp": layout.cp, "dp": layout.dp, "num_parameters": cfg.model.num_parameters(),
             "peak_mem_gib_per_rank": [r["peak_mem_gib"] for r in ranks],
             "param_gib_per_rank": [r["param_gib"] for r in ranks],
             "fingerprint_per_rank": [r["fingerprint"] for r in ranks]}, indent=2))
