@@ -86,7 +86,7 @@ class Finite:
     device-to-host copy, and whatever Python runs after it is time the GPU sits idle (with nothing queued
     behind the check, the GPU waits for the launch). ``torch.isfinite(x).all()`` costs five passes on a GPU
     for a bf16 tensor (abs, two compares, an and, the reduction); the check is one
-    (0.03 ms against 0.13 in a selective-scan forward at b8 d2048 l2048: results log, 2026-11-30).
+    (0.03 ms against 0.13 in a selective-scan forward at b8 d2048 l2048: benchmarks/results/README.md, 2026-11-30).
 
     While a CUDA graph is being captured nothing can be read back, so the check is skipped there: a captured
     step (the decode loop's CUDA graph) is checked on the eager runs that warm it up, and replays values its

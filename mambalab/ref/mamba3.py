@@ -197,8 +197,8 @@ def halves_order(n: int, a: int, device=None) -> torch.Tensor:
 def halves_to_pairs(x: torch.Tensor, a: int) -> torch.Tensor:
     """``x[..., halves_order(n, a)]`` made of slices, a stack and a cat: x (..., n) -> (..., n).
 
-    Indexing with a tensor would do the same forward, but its backward is a sort and an accumulating
-    index_put (3.3 of the 22.3 ms of a MIMO block's forward+backward at b4 l4096: results log, 2026-12-01).
+    Indexing with a tensor would do the same forward, but its backward is a sort and an accumulating index_put
+    (3.3 ms of a MIMO block's 22.3, forward+backward at b4 l4096: benchmarks/results/README.md, 2026-12-01).
     The backward of slices is slices."""
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
@@ -381,7 +381,8 @@ def cumulative_angle(angles, dt, initial_state=None):
     """θ_t = θ_{-1} + Σ_{s ≤ t} angles_s Δ_s: angles (b, l, h, a), dt (b, l, h) -> (b, l, h, a) (a view of a
     (b, h, a, l) tensor). The sum runs along the innermost axis of a (b, h, a, l) copy: PyTorch's CUDA cumsum
     along an outer axis walks each column with one thread, along the innermost axis it scans in parallel
-    (the outer axis: 1.5 ms a call at b4 l4096 h32 a32 in a profile of mamba3_chunk_scan, results log, 2026-11-30)."""
+    (the outer axis: 1.5 ms a call at b4 l4096 h32 a32: benchmarks/results/README.md, 2026-11-30, a profile of
+    mamba3_chunk_scan)."""
     steps = (angles * dt[..., None]).permute(0, 2, 3, 1).contiguous()        # (b, h, a, l)
     theta = torch.cumsum(steps, dim=-1).permute(0, 3, 1, 2)                  # (b, l, h, a)
     return theta if initial_state is None else theta + initial_state.angle[:, None]

@@ -11,11 +11,11 @@ The product is formed in fp32 and rounded once to the output's dtype, as PyTorch
 would; dv is summed over ranks in fp32 (rank 0 first) and rounded once to v's dtype. One pass each way
 replaces PyTorch's product in fp32 (b, l, r, h, p) and its copy to the kernels' dtype, and in the backward a
 cast of dx to fp32, two products of that size and two reductions
-(about 3 ms of GPU time a step at MIMO r = 4, b4 l4096 h32 p64: results log, 2026-11-30).
+(about 3 ms of GPU time a step at MIMO r = 4, b4 l4096 h32 p64: benchmarks/results/README.md, 2026-11-30).
 
 Tile rule (shape only): programs are (block of BLOCK_T = 128 positions of the flattened b·l axis, head), each
 with the whole head dimension (BLOCK_P = next_pow2(p), at least 16); a loop over ranks; 4 warps
-(backward 0.174 ms against 0.218 at 64 positions, 8 warps slower at each: results log, 2026-11-30).
+(backward 0.174 ms against 0.218 at 64 positions, 8 warps slower at each: benchmarks/results/README.md, 2026-11-30).
 
 Shapes: v (T, h, p); W^V (h, r, p) fp32; x, dx (T, r, h, p), which is (b, l·r, h, p) laid out as the
 rank-expanded SSD reads it; dv (T, h, p) in v's dtype; dW^V (h, r, p) fp32.

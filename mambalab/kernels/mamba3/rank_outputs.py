@@ -16,12 +16,13 @@ The sums over positions for dW^O and dW^Z are per-program partials folded by
 :func:`mambalab.kernels.reduce.sum_partials` (a fixed order, no atomics); everything else stays inside a
 program. The within-step correction (M_r = Σ_{r'} c_{r,r'} W^V_{r'} + D W^V_r) is formed in the scan's
 same-step block, where its R² sums per rank cost nothing extra, not here
-(formed per tile here: this stage's backward 1.02 ms against 0.52, results log, 2026-12-01).
+(formed per tile here: this stage's backward 1.02 ms against 0.52; benchmarks/results/README.md, 2026-12-01).
 
 Tile rule (shape only): programs are (block of BLOCK_T = 32 positions of the flattened b·l axis, head), each
 with the whole head dimension (BLOCK_P = next_pow2(p)). Warps: the forward 8 from r = 4 on, else 4; the
 backward 4 up to r = 4, 8 at r = 8 (2026-11-30_h200_mamba3_output_tiles_sweep.json). The loop over ranks is
-unrolled, so registers grow with r (their count at r = 4: the results log, 2026-11-30).
+unrolled, so registers grow with r (at r = 4, p = 64: 74 a thread forward, 168 backward, no spills, from
+`benchmarks/ptxas_ssd.py --op mamba3 --rank 4`; benchmarks/results/README.md, 2026-11-30).
 
 Shapes: y (T, r, h, p) (the rank-expanded scan's output, T = b·l); z, out (T, h, p); W^Z, W^O (h, r, p) fp32.
 """

@@ -26,18 +26,18 @@ The outputs are written in the rank-expanded layout the SSD kernels read: (b, l,
 Tile rule (shape only): each of q and k is a tile of ROWS = 32 rows of n, BLOCK_R = next_pow2(r) ranks by
 BLOCK_T = 32 / BLOCK_R positions of the flattened (b·l) axis (at least 1), with BLOCK_N2 = next_pow2(n / 2)
 pairs; rows are read and written whole (contiguous, vectorised) and split into their pairs in registers
-(a pair-strided read: 1.1 ms a call, results log, 2026-12-01). Forward programs are (position block, head)
-with every rank in one tile, so that cos, sin serve every rank. Backward programs are (position block,
-group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles for q and k (and q, k themselves)
-across the group's heads, in r = 1's tiles (32 positions, the row split by :func:`turned_and_plain`), and
-writes dθ's term for its rank; the r terms are folded by :func:`~mambalab.kernels.reduce.sum_partials` (a
-fixed order). A tile of every rank (``RANK_PROGRAMS = False``) covers 32 / BLOCK_R positions (r = 4: 8).
-Warps: the forward's by rank (:func:`fwd_num_warps`); 4 for the backward, which spills at 4 and not at 8 yet
-runs faster: one 8-warp program fills an SM's registers, too few warps to hide the loads' latency. At r = 1 the
-backward's tiles hold a row's turned pairs alone (BLOCK_N2 = next_pow2(a), with rope_fraction 0.5 half of n)
-and the rest of the row, where dx̃ = dout and there is no dθ, in tiles of their own
-(:func:`turned_and_plain`). This file's figures are an H200's at b4 l4096 h32 g1 n128 a32, bf16; the other
-tiles timed and each variant's registers and spills are in the results log (2026-12-01).
+(a pair-strided read: 1.1 ms a call; benchmarks/results/README.md, 2026-12-01).
+Forward programs are (position block, head) with every rank in one tile, so that cos, sin serve every rank. Backward
+programs are (position block, group, rank) at r > 1 (:func:`rank_blocks`): each holds one rank's dx tiles for q and
+k (and q, k themselves) across the group's heads, in r = 1's tiles (32 positions, the row split by
+:func:`turned_and_plain`), and writes dθ's term for its rank; the r terms are folded by
+:func:`~mambalab.kernels.reduce.sum_partials` (a fixed order). A tile of every rank (``RANK_PROGRAMS = False``)
+covers 32 / BLOCK_R positions (r = 4: 8). Warps: the forward's by rank (:func:`fwd_num_warps`); 4 for the backward,
+which spills at 4 and not at 8 yet runs faster: one 8-warp program fills an SM's registers, too few warps to hide
+the loads' latency. At r = 1 the backward's tiles hold a row's turned pairs alone (BLOCK_N2 = next_pow2(a), with
+rope_fraction 0.5 half of n) and the rest of the row, where dx̃ = dout and there is no dθ, in tiles of their own
+(:func:`turned_and_plain`). This file's figures are an H200's at b4 l4096 h32 g1 n128 a32, bf16; the other tiles
+timed and each variant's registers and spills are in benchmarks/results/README.md (2026-12-01).
 
 Shapes: q, k (b, l, r, g, n) contiguous; q_bias, k_bias (h, r, n) fp32; theta (b, l, h, a) fp32
 -> q̂, k̂ (b, l, r, h, n).
@@ -52,7 +52,7 @@ from mambalab.kernels.reduce import sum_partials
 
 
 ROWS = 32           # rows of n per tile (ranks x positions), each of q and k
-BWD_NUM_WARPS = 4   # r = 1: 0.595 ms against 0.783 at 8 warps (results log, 2026-12-01)
+BWD_NUM_WARPS = 4   # r = 1: 0.595 ms against 0.783 at 8 warps (benchmarks/results/README.md, 2026-12-01)
 
 
 def bwd_loop_stages(r):
@@ -64,7 +64,8 @@ def bwd_loop_stages(r):
 
 def fwd_num_warps(r):
     """Warps of the forward: 8 at r = 1 and 2, 4 from r = 4 on (r = 2 and 8 untimed).
-    r = 1: 0.133 ms against 0.174 at 4 warps; r = 4: 0.599 against 0.651 at 8 (results log, 2026-12-01)."""
+    r = 1: 0.133 ms against 0.174 at 4 warps; r = 4: 0.599 against 0.651 at 8 (benchmarks/results/README.md,
+    2026-12-01)."""
     return 8 if r <= 2 else 4
 
 
@@ -77,7 +78,7 @@ def turned_and_plain(n, a, r):
     """The backward's split of a row for tiles of r = 1 rank (SISO, or a program per rank): BLOCK_N2 =
     next_pow2(a) pairs (at least 1) in the turned tile, the rest (PLAIN = next_pow2 of the elements left) in a
     tile of their own; for tiles of r > 1 ranks, and where the turned tile covers the row, one tile (PLAIN = 0).
-    r = 1: 0.402 ms against 0.539 for one tile (results log, 2026-12-01)."""
+    r = 1: 0.402 ms against 0.539 for one tile (benchmarks/results/README.md, 2026-12-01)."""
     pairs = triton.next_power_of_2(max(a, 1))
     if r > 1 or 2 * pairs >= n:
         return dict(BLOCK_N2=row_pairs(n), PLAIN=0)
@@ -261,8 +262,9 @@ def rotary_qk_bwd_kernel(
         tl.store(dk_ptr + srcp, dpk, mask=maskp)
 
 
-RANK_PROGRAMS = True   # r > 1: a backward program per rank (module docstring); False: every rank in one tile
-                      # r = 4: 1.31 ms against 1.84 with every rank in one tile (results log, 2026-12-01)
+# r > 1: a backward program per rank (module docstring); False: every rank in one tile
+# (r = 4: 1.31 ms against 1.84 with every rank in one tile; benchmarks/results/README.md, 2026-12-01)
+RANK_PROGRAMS = True
 
 
 def rank_blocks(r):

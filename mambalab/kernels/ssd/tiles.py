@@ -64,7 +64,7 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     * BLOCK_K  = min(64, BLOCK_N)               the chunk scan walks n in steps of BLOCK_K for C Bᵀ and C Hᵀ
     * BLOCK_PN = min(1024, next_pow2(p·n))      state elements per state-passing program
     * warps: 4 a program; 8 for bf16/fp16 with a state tile BLOCK_P · BLOCK_N >= 64 · 64
-      (bf16 forward 0.45 ms against 0.49 at 4 warps: results log, 2026-11-30).
+      (bf16 forward 0.45 ms against 0.49 at 4 warps: benchmarks/results/README.md, 2026-11-30).
     * chunk-scan backward: min(64, q) positions for bf16/fp16, min(32, q) for fp32, 4 warps
       (the sweep's fastest, bf16 1.63 ms, fp32 3.24: 2026-11-30_h200_ssd_tile_sweep_vs_mamba_deterministic.json).
     * chunk states: BLOCK_T and the forward's warps for bf16/fp16; min(32, q) positions a step and 2 warps
@@ -83,7 +83,7 @@ def tile_config(h: int, p: int, n: int, chunk_size: int, dtype: torch.dtype = to
     The backward kernels take the whole head and the whole state per program (:func:`backward_block_p` =
     next_pow2(p), >= 16, and BLOCK_N), so that every sum over p or n stays inside one program; only sums
     over programs are reductions (atomic or deterministic). Tuning the rule on a GPU means changing this
-    function, with its figure in the results log, never adding an autotuner.
+    function, with its figure and JSON file under benchmarks/results/, never adding an autotuner.
     """
     block_t = min(64, chunk_size)
     block_n = max(MIN_DOT, triton.next_power_of_2(n))
