@@ -8,7 +8,8 @@ the whole against the single-process op and writes {name: what it measured} to O
 * ``conv``: :func:`context_parallel_conv1d` against :func:`mambalab.ops.conv1d.causal_conv1d_fn`, likewise.
 * ``partial_grad``: the CP = 4 edge split without autograd (torch.no_grad()), and with only the last rank's x
   requiring grad (every rank must still run the backward's ring): out and the last piece's dx.
-* ``errors``: the messages every rank raises for a piece too short for the halo and for heads that disagree.
+* ``errors``: the messages every rank raises for a piece too short for the halo, for heads that disagree, and
+  for packed sequences whose indices decrease at a cut (the SSD and the conv).
 
 The splits of the l = 64 positions (chunk_size 16): with 4 ranks, pieces of 16 (cuts on chunk edges) and of
 8, 24, 20, 12 (cuts inside chunks), then two groups of 2 at once, {0, 1} cut at 32 and {2, 3} cut at 24; with
@@ -197,9 +198,17 @@ def errors(device, groups, out: dict) -> None:
                                                   torch.randn(b, l, h, device=device), -torch.ones(h, device=device),
                                                   torch.randn(b, l, 1, n, device=device),
                                                   torch.randn(b, l, 1, n, device=device), CHUNK))
+    # packed sequences numbered 0 on ranks 0 and 1, then 1 on rank 2, then 0 again on rank 3: a decrease at a cut
+    seq_idx = torch.full((b, l), 1 if r == 2 else 0, dtype=torch.int32, device=device)
+    ssd_in = (torch.randn(b, l, 2, p, device=device), torch.randn(b, l, 2, device=device),
+              -torch.ones(2, device=device), torch.randn(b, l, 1, n, device=device),
+              torch.randn(b, l, 1, n, device=device), CHUNK)
+    seq_ssd = _message(lambda: context_parallel_ssd(*ssd_in, seq_idx=seq_idx))
+    seq_conv1d = _message(lambda: context_parallel_conv1d(torch.randn(1, 4, l, device=device), weight, seq_idx=seq_idx))
+    names = ("conv_short", "heads", "seq_ssd", "seq_conv1d")
     gathered = [None] * world
-    dist.all_gather_object(gathered, {"conv_short": conv_short, "heads": heads})
-    out.update({k: [g[k] for g in gathered] for k in ("conv_short", "heads")})
+    dist.all_gather_object(gathered, dict(zip(names, (conv_short, heads, seq_ssd, seq_conv1d))))
+    out.update({k: [g[k] for g in gathered] for k in names})
 
 
 if __name__ == "__main__":

@@ -91,6 +91,10 @@ def test_bad_input_on_one_rank_raises_on_every_rank(four_ranks):
                "invalid (its error says why)" for m in short[:3]), short
     assert all("h (x.shape[2]) must be the same on every rank of the group; got [2, 3, 2, 2]" in m
                for m in heads), heads
+    for op in ("ssd", "conv1d"):   # seq_idx 0, 0, 1, 0 on the four ranks: every rank names the cut
+        got = four_ranks["errors"][f"seq_{op}"]
+        assert all(m == f"ValueError: context_parallel_{op}: seq_idx must be nondecreasing along the whole sequence; "
+                   "it decreases at the cut between ranks 2 and 3 of the context-parallel group" for m in got), got
 
 
 def _ssd_inputs(gen):
