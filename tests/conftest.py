@@ -1,5 +1,6 @@
 """Shared fixtures. Kernels run on the GPU when there is one, else on the CPU through Triton's interpreter
 (importing mambalab switches it on, so it is imported first)."""
+import os
 from pathlib import Path
 
 import mambalab  # noqa: F401  (before anything imports triton)
@@ -99,6 +100,37 @@ def rotate_halves(x, theta):
     return turned.reshape(*lead, x.shape[-1])
 
 
+# Sizes the tests give chapters whose CPU sizes take a minute or more a run in Triton's interpreter, assigned in a
+# cell after the `parameters` cell (tagged "injected-parameters", as papermill's). tests/browser runs every chapter
+# named here at these sizes in JupyterLab; tests/test_notebooks.py and the offline pages run the chapters of
+# PAPERMILL_SMALLER at them under papermill, and every other chapter at the sizes a reader gets. What the tests
+# check (every cell runs, figures draw, sliders redraw, pages render offline, the chapters' own checks) holds at
+# these sizes. With a GPU, or with MAMBALAB_UPDATE_PREVIEWS=1 (the previews show what a reader sees), nothing is
+# injected. Values are what papermill writes as Python literals (None, bool, int, float, str, list, dict): it
+# turns a tuple into its string.
+SMALLER_ON_CPU = {
+    "02_ssd_chunking": dict(STEPS_L=64, CHECK_L=64, COST_LENGTHS=[128, 256], COST_REPEATS=1),
+    "04_atomic_nondeterminism": dict(SSD_SHAPE=[2, 32, 4, 4, 1, 4], SSD_RUNS=2, NORM_ROWS=64, NORM_D=256),
+    # one routed library model (tests/test_compat.py steps each of them)
+    "05_deterministic_kernels": dict(FP_L=32, FP_BATCHES=[1, 2], TRAIN_STEPS=2, LIBRARY_MODELS=["mamba_ssm.Mamba2"]),
+    # two gloo ranks instead of four: TP_DEGREES is derived from NPROC in the parameters cell, so it is given too
+    "06_tensor_parallel_training": dict(NPROC=2, TP_DEGREES=[1, 2],
+                                       RUN=dict(task="mqar", batch_size=8, seq_len=32, steps=8, lr=3e-3, warmup=3)),
+    "07_inference": dict(CHECK_BATCH=1, CHECK_PREFILL=6, CHECK_DECODE=2, NAIVE_TOKENS=16, CORPUS_CHARS=20_000,
+                         TRAIN=dict(steps=20, batch_size=16, seq_len=128, lr=4e-3, warmup=5), SAMPLE_CHARS=40),
+}
+PAPERMILL_SMALLER = ("05_deterministic_kernels", "06_tensor_parallel_training", "07_inference")
+
+
+def smaller_sizes(path: Path, *, papermill: bool) -> dict:
+    """The sizes injected into the chapter at ``path`` (see SMALLER_ON_CPU); {} for none."""
+    if torch.cuda.is_available() or os.environ.get("MAMBALAB_UPDATE_PREVIEWS") == "1":
+        return {}
+    if papermill and path.stem not in PAPERMILL_SMALLER:
+        return {}
+    return SMALLER_ON_CPU.get(path.stem, {})
+
+
 # Executing a chapter (papermill) keeps one core busy for up to two minutes while pytest itself only waits, and
 # CI has two cores. In one process, the notebooks that the selected tests ask for are executed one after another
 # in a background thread from the session's first test, and the tests that read them run last: the same
@@ -109,6 +141,8 @@ def rotate_halves(x, theta):
 _NOTEBOOKS_TO_EXECUTE = pytest.StashKey[list]()
 # The modules whose tests read ``executed_notebook``, parametrized by the notebook's path with its stem as id.
 NOTEBOOK_READERS = ("tests/test_notebooks.py", "tests/browser/test_pages_offline.py")
+# The module that runs each notebook in JupyterLab, its tests parametrized the same way.
+LAB_RUNS = "tests/browser/test_workbook_in_browser.py"
 
 
 def _notebook_params(item) -> list:
@@ -142,9 +176,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     class NotebookScopeScheduling(LoadScopeScheduling):
         """One work unit a module, except that the tests of NOTEBOOK_READERS parametrized by a notebook form
-        one unit for that notebook (``notebook:<stem>``), whichever module they are in. Units go out largest
-        first (loadscope's order), the notebooks' ahead of any module's: each keeps a worker busy for a
-        minute or two, so they must not come last."""
+        one unit for that notebook (``notebook:<stem>``), whichever module they are in, and LAB_RUNS' tests
+        one unit a notebook (``lab:<stem>``), so that the JupyterLab runs spread over the workers. Units go
+        out largest first (loadscope's order), the notebooks' ahead of any module's: each keeps a worker busy
+        for a minute or two, so they must not come last."""
 
         def _split_scope(self, nodeid: str) -> str:
             module, _, rest = nodeid.partition("::")
@@ -152,11 +187,13 @@ def pytest_xdist_make_scheduler(config, log):
             stems = [i for i in ids if i in NOTEBOOK_STEMS]
             if module in NOTEBOOK_READERS and stems:
                 return f"notebook:{stems[0]}"
+            if module == LAB_RUNS and stems:
+                return f"lab:{stems[0]}"
             return module
 
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, "_notebooks_put_first", False):
-                for scope in [s for s in self.workqueue if s.startswith("notebook:")][::-1]:
+                for scope in [s for s in self.workqueue if s.startswith(("notebook:", "lab:"))][::-1]:
                     self.workqueue.move_to_end(scope, last=False)
                 self._notebooks_put_first = True
             super()._assign_work_unit(node)
@@ -177,7 +214,8 @@ def _execute_notebooks_from_the_start(request):
 @pytest.fixture(scope="session")
 def executed_notebook(request, tmp_path_factory):
     """``executed_notebook(path)``: the notebook at ``path`` executed as ``./run.sh workbook`` executes it
-    (papermill, a fresh kernel, no parameter overridden), once per test session; returns the executed copy.
+    (papermill, a fresh kernel; the chapters of PAPERMILL_SMALLER with :func:`smaller_sizes` injected), once per
+    test session; returns the executed copy.
     tests/test_notebooks.py and the offline-page tests in tests/browser share the run. The notebooks of the
     selected tests are executed one after another in a background thread from the session's start (see
     pytest_collection_modifyitems); asking for one waits for its run. Under pytest-xdist a worker executes a
@@ -193,7 +231,7 @@ def executed_notebook(request, tmp_path_factory):
 
     def submit(path):
         if path not in runs:
-            runs[path] = pool.submit(workbook.execute, path, out)
+            runs[path] = pool.submit(workbook.execute, path, out, smaller_sizes(path, papermill=True))
         return runs[path]
 
     for path in request.config.stash.get(_NOTEBOOKS_TO_EXECUTE, []):

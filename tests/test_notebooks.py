@@ -1,9 +1,11 @@
 """Every notebook in notebooks/ runs start to finish and renders to HTML whose figures work offline; every
 committed notebook is clean. The harness itself (mambalab.workbook) is tested on throwaway notebooks.
 
-Notebooks run as ``./run.sh workbook`` runs them: papermill, a fresh kernel each, no parameters
-overridden, so their ``parameters`` cells pick the small CPU sizes when there is no GPU.
+Notebooks run as ``./run.sh workbook`` runs them: papermill, a fresh kernel each, so their ``parameters``
+cells pick the small CPU sizes when there is no GPU; the chapters of tests/conftest.py's PAPERMILL_SMALLER get
+smaller sizes still, injected by papermill after that cell.
 """
+import ast
 import json
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ import nbformat
 import pytest
 from papermill.exceptions import PapermillExecutionError
 
+from conftest import PAPERMILL_SMALLER, SMALLER_ON_CPU, smaller_sizes
 from mambalab import workbook
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
@@ -25,6 +28,9 @@ def test_notebook_runs_and_renders_offline(path, tmp_path, executed_notebook):
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
+    injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
+    assert (_assigned(injected[0].source) if injected else {}) == smaller_sizes(path, papermill=True), \
+        f"{path.name}: the executed copy's injected sizes differ from tests/conftest.py's"
     page = workbook.render_html(executed, tmp_path / "html")
     assert workbook.offline_figure_problems(executed, page.read_text(encoding="utf-8")) == []
 
@@ -42,6 +48,43 @@ def test_committed_notebook_is_clean(path):
     raw = json.loads(path.read_text(encoding="utf-8"))    # as committed: nbformat.read would add missing ids
     no_id = [i for i, c in enumerate(raw["cells"]) if "id" not in c]
     assert not no_id, f"{path.name}: cells {no_id} have no id (nbformat 4.5 requires one; give each a new one)"
+
+
+def _assigned(source: str) -> dict:
+    """name -> value of each ``name = literal`` statement in ``source``."""
+    return {node.targets[0].id: ast.literal_eval(node.value) for node in ast.parse(source).body
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)}
+
+
+def _parameters_cell(nb):
+    return next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+
+
+@pytest.mark.parametrize("stem", sorted(SMALLER_ON_CPU))
+def test_smaller_sizes_are_parameters_of_their_chapter(stem):
+    """Each size the tests inject is assigned in the chapter's parameters cell (a renamed parameter cannot leave
+    an injection that changes nothing), and is a value papermill writes as the same Python literal."""
+    path = NOTEBOOKS_DIR / f"{stem}.ipynb"
+    assert path.exists(), f"SMALLER_ON_CPU names {path.name}, which is not in notebooks/"
+    tree = ast.parse(_parameters_cell(nbformat.read(path, as_version=4)).source)
+    assigned = {n.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)}
+    unknown = sorted(set(SMALLER_ON_CPU[stem]) - assigned)
+    assert not unknown, f"{path.name}: {unknown} are not assigned in its parameters cell"
+
+    def literal(value) -> bool:   # papermill's Python translator writes these as themselves; a tuple as a string
+        if isinstance(value, list):
+            return all(literal(v) for v in value)
+        if isinstance(value, dict):
+            return all(isinstance(k, str) and literal(v) for k, v in value.items())
+        return value is None or isinstance(value, (bool, int, float, str))
+
+    odd = {name: value for name, value in SMALLER_ON_CPU[stem].items() if not literal(value)}
+    assert not odd, f"{stem}: papermill would not write {odd} as the same literal (use lists, not tuples)"
+
+
+def test_papermill_smaller_chapters_are_in_the_table():
+    assert set(PAPERMILL_SMALLER) <= set(SMALLER_ON_CPU)
 
 
 # --- the harness, on throwaway notebooks --------------------------------------------------------------

@@ -11,7 +11,8 @@
 * Without Chromium or Playwright the tests skip, saying what to install, unless ``CI`` is set: there they fail
   (``.ci/run`` installs Chromium first).
 
-Artefacts go to ``build/browser/`` (screenshots, the server's log, the requests aborted).
+Artefacts go to ``build/browser/`` (screenshots, the server's log, the requests aborted; under pytest-xdist
+each worker has its own server, browser, log and record of requests, named with the worker's id).
 ``MAMBALAB_UPDATE_PREVIEWS=1`` also writes each notebook's screenshot to ``docs/previews/`` (the README's
 previews), with a 256-colour palette if Pillow is installed.
 """
@@ -67,6 +68,13 @@ def _skip_or_fail(reason: str):
     if in_ci():
         pytest.fail(f"{reason} (CI is set, so the browser tests must run; .ci/run installs Chromium)")
     pytest.skip(f"{reason}; the browser tests need it (skipped outside CI)")
+
+
+def _worker_suffix() -> str:
+    """The worker's id as a suffix ("-gw0", "-gw1", …) under pytest-xdist, whose workers each start a server
+    and a browser; an empty string otherwise."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return f"-{worker}" if worker else ""
 
 
 def _free_port() -> int:
@@ -178,7 +186,7 @@ def lab_server(chromium_path, artefacts, tmp_path_factory):
         # JupyterLab's own UI tests (Galata) do; every action still goes through the UI.
         "--LabApp.expose_app_in_browser=True",
     ]
-    log = artefacts / "jupyterlab.log"
+    log = artefacts / f"jupyterlab{_worker_suffix()}.log"
     with log.open("w") as log_file:
         process = subprocess.Popen(command, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL)
@@ -234,7 +242,7 @@ def blocked_requests(artefacts):
     try:
         yield blocked
     finally:
-        (artefacts / "blocked_requests.txt").write_text("".join(f"{url}\n" for url in blocked.urls))
+        (artefacts / f"blocked_requests{_worker_suffix()}.txt").write_text("".join(f"{url}\n" for url in blocked.urls))
 
 
 @pytest.fixture(scope="session")

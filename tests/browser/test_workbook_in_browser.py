@@ -1,6 +1,7 @@
 """The workbook as a reader meets it: each notebook opened fresh in JupyterLab, in headless Chromium, and run
 top to bottom with Run ▸ Run All Cells (no GPU here, so its ``parameters`` cell picks the CPU sizes; the
-chapters in ``SMALLER_ON_CPU`` get smaller ones injected after it, as papermill injects parameters).
+chapters in tests/conftest.py's ``SMALLER_ON_CPU`` get smaller ones injected after it, as papermill injects
+parameters).
 
 For every notebook in notebooks/ (globbed, so a new chapter is covered as is):
 
@@ -16,7 +17,6 @@ whatever the checks found. The server, the browser and the request blocking live
 """
 from __future__ import annotations
 
-import ast
 import json
 import os
 import re
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
+from conftest import smaller_sizes
 from mambalab import workbook
 
 pytestmark = pytest.mark.browser
@@ -41,20 +41,6 @@ RUN_TIMEOUT_MS = 600_000  # Run All Cells, a whole notebook on CPU
 REDRAW_TIMEOUT_MS = 60_000  # a slider's figure recomputed by the kernel and redrawn
 PLOTLY_MIMETYPE = workbook.PLOTLY_MIMETYPE
 VIEWPORT_CORNER = (1, 1)  # where the mouse rests for screenshots: JupyterLab's logo, not a figure
-# On a CPU these chapters run here with smaller sizes, assigned in a cell after the `parameters` cell (tagged
-# "injected-parameters", as papermill's): their CPU sizes take 40-110 s a run in the interpreter, and what this
-# file proves is JupyterLab's side (every cell, the injected one included, runs under Run All; figures draw;
-# sliders redraw them; the saved notebook renders offline), which the sizes do not change. Every chapter at the
-# sizes a reader gets is executed by tests/test_notebooks.py (papermill, nothing injected), and its exported
-# page checked in a browser by test_pages_offline.py. With a GPU, or with MAMBALAB_UPDATE_PREVIEWS=1 (the
-# previews show what a reader sees), nothing is injected.
-SMALLER_ON_CPU = {
-    "02_ssd_chunking": dict(STEPS_L=64, CHECK_L=64, COST_LENGTHS=[128, 256], COST_REPEATS=1),
-    "04_atomic_nondeterminism": dict(SSD_SHAPE=(2, 32, 4, 4, 1, 4), SSD_RUNS=2, NORM_ROWS=64, NORM_D=256),
-    "05_deterministic_kernels": dict(FP_L=32, FP_BATCHES=(1, 2), TRAIN_STEPS=2),
-    "07_inference": dict(CHECK_BATCH=1, CHECK_PREFILL=6, CHECK_DECODE=2, NAIVE_TOKENS=16, CORPUS_CHARS=20_000,
-                         TRAIN=dict(steps=20, batch_size=16, seq_len=128, lr=4e-3, warmup=5), SAMPLE_CHARS=40),
-}
 
 # JavaScript run in the page. `panel` is the notebook's tab, found by its path through window.jupyterapp.
 _PANEL = ("const panel = window.jupyterapp &&"
@@ -151,17 +137,10 @@ def _parameters_cell(nb) -> int:
     return next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
 
 
-def injected_parameters(path: Path) -> dict:
-    """The sizes injected into the notebook at ``path`` here (see SMALLER_ON_CPU); {} for none."""
-    if torch.cuda.is_available() or os.environ.get("MAMBALAB_UPDATE_PREVIEWS") == "1":
-        return {}
-    return SMALLER_ON_CPU.get(path.stem, {})
-
-
 def copy_for_lab(source: Path, target: Path) -> None:
-    """Copy the notebook to the server's folder, with :func:`injected_parameters` assigned in a cell after its
-    ``parameters`` cell."""
-    parameters = injected_parameters(source)
+    """Copy the notebook to the server's folder, with its :func:`conftest.smaller_sizes` assigned in a cell after
+    its ``parameters`` cell."""
+    parameters = smaller_sizes(source, papermill=False)
     if not parameters:
         shutil.copy2(source, target)
         return
@@ -217,20 +196,6 @@ def ran_notebook(request, lab_server, browser_context, screenshot):
             page.close()
         left = lab_server.kernels()
         assert not left, f"{name}: kernels still running after its session was shut down: {left}"
-
-
-@pytest.mark.parametrize("stem", sorted(SMALLER_ON_CPU))
-def test_injected_sizes_are_parameters_of_their_chapter(stem):
-    """Each name injected is assigned in the chapter's parameters cell, so a renamed parameter cannot leave an
-    injection that changes nothing."""
-    path = Path(__file__).resolve().parents[2] / "notebooks" / f"{stem}.ipynb"
-    assert path.exists(), f"SMALLER_ON_CPU names {path.name}, which is not in notebooks/"
-    nb = nbformat.read(path, as_version=4)
-    tree = ast.parse(nb.cells[_parameters_cell(nb)].source)
-    assigned = {n.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
-                for target in node.targets for n in ast.walk(target) if isinstance(n, ast.Name)}
-    unknown = sorted(set(SMALLER_ON_CPU[stem]) - assigned)
-    assert not unknown, f"{path.name}: {unknown} are not assigned in its parameters cell"
 
 
 def test_every_cell_runs_without_error(ran_notebook):
