@@ -18,9 +18,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mambalab  # noqa: F401
 from mambalab.modules.lm import LMConfig
+from mambalab.modules.mamba2 import Mamba2
+from mambalab.parallel import ContextParallelMamba2
+from mambalab.parallel.layout import single_process_layout
 from mambalab.train import TrainConfig, train
 from mambalab.train.trainer import ConfigError
 from mambalab.train.launch import launch, read_metrics
@@ -65,6 +69,23 @@ def test_block_tp2_cp2_forward_and_every_gradient_equal_one_process_with_packed_
                 "d dt_bias", "d norm.weight", "d out_proj.weight"} <= set(result), name
         far = {k: v for k, v in result.items() if not v["max_diff"] <= 1e-5 * max(1.0, v["scale"])}
         assert not far, f"{name}: beyond float32 rounding of the single process: {far}"
+
+
+def test_block_with_cp1_is_the_single_process_block_and_refuses_the_reference_scan():
+    """layout.cp = 1 (no process group): the plain ops on the whole sequence, to float32 rounding of Mamba2 (which
+    runs nn.Conv1d where ContextParallelMamba2 runs causal_conv1d_fn)."""
+    torch.manual_seed(0)
+    full = Mamba2(16, d_state=8, headdim=8, ngroups=2, chunk_size=16)
+    block = ContextParallelMamba2(16, single_process_layout(), d_state=8, headdim=8, ngroups=2, chunk_size=16)
+    block.load_state_dict(full.state_dict())
+    u = torch.randn(2, 32, 16, generator=torch.Generator().manual_seed(1))
+    seq_idx = torch.zeros(2, 32, dtype=torch.int32)
+    seq_idx[0, 10:] = 1
+    for packed in (None, seq_idx):
+        got, want = block(u, seq_idx=packed), full(u, seq_idx=packed)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"scan must be 'kernel' for a context-parallel block"):
+        ContextParallelMamba2(16, single_process_layout(), d_state=8, headdim=8, scan="reference")
 
 
 # ------------------------------------------------------------------------------------------ training
