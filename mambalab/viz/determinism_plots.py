@@ -272,7 +272,8 @@ def split_groupings_figure(b: int, l: int, h: int, g: int, chunk_size: int) -> g
     for k, grouping in enumerate(groupings):
         xs = [n for n, s in zip(names, splits) if s == grouping]
         fig.add_trace(go.Bar(x=xs, y=[grouping[0]] * len(xs), marker_color=_COLORS[k % len(_COLORS)],
-                             name=f"mamba-ssm: {grouping[0]} heads a program, {grouping[1]} partials"))
+                             name=f"mamba-ssm: {grouping[0]} heads a program, {grouping[1]} partial"
+                                  f"{'s' if grouping[1] != 1 else ''}"))
     fig.add_trace(go.Scatter(x=names, y=[h // g] * len(names), mode="lines+markers", line=dict(color="black"),
                              name=f"mambalab: {h // g} heads folded in head order, every GPU"))
     fig.update_layout(title=f"dB/dC groupings at b={b}, l={l}, h={h}, g={g}, chunk {chunk_size}: mamba-ssm "
