@@ -12,9 +12,11 @@ and run on the piece as they are:
 
 so the two collectives over the CP group are :func:`mambalab.parallel.context.context_parallel_conv1d`'s halo and
 :func:`mambalab.parallel.context.context_parallel_ssd`'s ring, with packed sequences (``seq_idx``) across the
-cuts as one process has them. Every parameter is whole on each CP rank (TP shards it as
-:class:`~mambalab.parallel.mamba2.TensorParallelMamba2` does), and its gradient there is the part from this
-rank's piece: the trainer sums them over the CP group.
+cuts as one process has them. With sequence parallelism the residual stream between the blocks holds 1/T of
+this rank's piece on each TP rank, and in_proj gathers the piece (:mod:`mambalab.parallel.linear`).
+
+Every parameter is whole on each CP rank (TP shards it as :class:`~mambalab.parallel.mamba2.TensorParallelMamba2`
+does), and its gradient there is the part from this rank's piece: the trainer sums them over the CP group.
 
 The language model's loss on a CP rank is Σ (its tokens' cross-entropy) / (the target count of the whole
 sequences, summed over the CP group), so the sum of the CP ranks' losses, and of their gradients, is the mean
@@ -52,9 +54,6 @@ class ContextParallelMamba2(TensorParallelMamba2):
         if kwargs.get("scan", "kernel") != "kernel":
             raise ValueError(f"scan must be 'kernel' for a context-parallel block (the ring runs the SSD kernels' "
                              f"steps); got {kwargs['scan']!r}")
-        if sequence_parallel and layout.cp > 1:
-            raise ValueError("sequence_parallel must be False with context parallelism (cp > 1): the sequence is "
-                             "already split over the CP group")
         super().__init__(d_model, layout, sequence_parallel, **kwargs)
 
     def forward(self, u: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:

@@ -167,8 +167,9 @@ class TrainConfig:
             need(self.seq_len % (self.cp * m.chunk_size) == 0,
                  f"seq_len = {self.seq_len} must be a multiple of cp × model.chunk_size = {self.cp} × "
                  f"{m.chunk_size}: each CP rank holds seq_len / cp positions, cut on chunk edges")
-            need(not self.sequence_parallel, "sequence_parallel must be off with cp > 1 (the sequence is already "
-                                             "split over the context-parallel group)")
+            need(not self.sequence_parallel or self.seq_len // self.cp % self.tp == 0,
+                 f"sequence_parallel with cp = {self.cp} splits each CP rank's seq_len / cp = "
+                 f"{self.seq_len // self.cp} positions over tp = {self.tp} ranks; tp must divide them")
         for what, size in (("nheads", m.nheads), ("model.ngroups", m.ngroups), ("model.vocab_size", m.vocab_size)):
             need(size % self.tp == 0, f"tp = {self.tp} must divide {what} = {size}")
         need(self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}; got {self.amp!r}")

@@ -113,8 +113,11 @@ def test_cp2_loss_curve_equals_cp1(cp2, cp1):
     assert got == pytest.approx(cp1, rel=1e-5)
 
 
-def test_cp2_by_tp2_loss_curve_equals_cp1(tmp_path, cp1):
-    _ok(run(4, cp=2, tp=2, out_dir=tmp_path))
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_cp2_by_tp2_loss_curve_equals_cp1(tmp_path, cp1, sequence_parallel):
+    """With sequence parallelism each TP rank holds a quarter of each sequence between the blocks, and the
+    mixers gather their CP rank's half."""
+    _ok(run(4, cp=2, tp=2, sequence_parallel=sequence_parallel, out_dir=tmp_path))
     assert json.loads((tmp_path / "summary.json").read_text())["cp"] == 2
     assert losses(tmp_path) == pytest.approx(cp1, rel=1e-5)
 
@@ -138,7 +141,8 @@ def test_resume_with_cp2_is_exact_and_with_cp1_continues(cp2, tmp_path):
 @pytest.mark.parametrize("change, message", [
     (dict(seq_len=48), r"seq_len = 48 must be a multiple of cp × model.chunk_size = 2 × 16"),
     (dict(model=dict(scan="reference")), r"cp = 2 needs model.scan = 'kernel'"),
-    (dict(sequence_parallel=True), r"sequence_parallel must be off with cp > 1"),
+    (dict(sequence_parallel=True, tp=3, model=dict(d_model=24, ngroups=3, vocab_size=33)),
+     r"sequence_parallel with cp = 2 splits each CP rank's seq_len / cp = 32 positions over tp = 3"),
     (dict(cp=0), r"cp must be an integer >= 1; got 0"),
 ])
 def test_a_cp_run_that_cannot_start_names_the_field(change, message):
