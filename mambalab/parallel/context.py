@@ -71,11 +71,12 @@ once (no ring); every piece needs at least W - 1 positions.
 kernels hand the state entering a piece (their ``initial_states``) to the sequence numbered 0 only, from
 seq_before(0) = 0 (:mod:`mambalab.kernels.ssd.packed`). Rank r > 0 numbers its piece's sequences from the one
 rank r-1's piece ends in, seq_t - seq_{cut-1} (each rank's first and last indices of each row are all-gathered
-after the checks): a sequence that spans the cut is numbered 0 and takes the received state; one that starts exactly at
-the cut, or after it, is numbered 1 or more and starts from zero, and the state received is not used. The state
-sent on is the one the kernels end the piece with, that of the sequence the piece ends in. Every mask compares
-two indices of one piece (or seq_before(0) = 0 with the first), so the shift changes no mask and no bit: the
-cuts on chunk edges keep the single process's bits. The convolution masks each tap as the single process does
+after the checks): a sequence that spans the cut is numbered 0 and takes the received state; one that starts
+exactly at the cut, or after it, is numbered 1 or more and starts from zero, and the state received is not used.
+The state sent on is the one the kernels end the piece with, that of the sequence the piece ends in. A mask
+inside the piece compares two of its indices, which a common shift leaves alone; the first chunk's comparison
+with seq_before(0) = 0 is, shifted, the single process's with seq_{cut-1}. So no mask and no bit changes: cuts
+on chunk edges keep the single process's bits. The convolution masks each tap as the single process does
 (:func:`mambalab.ops.conv1d.causal_conv_taps`), across a cut with the sequences of the halo (forward) and of the
 next piece's first W - 1 positions (backward), taken from that all-gather.
 
