@@ -246,3 +246,17 @@ def test_packed_sequences_refuse_padding_and_a_wrong_shape():
         context_parallel_ssd(x, dt, A, B, C, 16, seq_idx=padded)
     with pytest.raises(ValueError, match=r"seq_idx must have shape \(b, l_r\)"):
         context_parallel_conv1d(torch.randn(1, 4, 8), torch.randn(4, 4), seq_idx=padded)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_sequences_across_the_cuts_on_one_gpu_give_the_single_process_bits(monkeypatch, dtype):
+    """4 ranks of 128 positions (chunk 64) as one process on one GPU, deterministic mode: row 0 has a sequence
+    across the first cut and one starting exactly at the second; row 1 one starting at the first cut and a
+    boundary two positions before the third. out, the conv and every per-position gradient, bitwise."""
+    seq_idx = torch.zeros(2, 512, dtype=torch.int32)
+    seq_idx[0, 100:], seq_idx[0, 150:], seq_idx[0, 256:] = 1, 2, 3
+    seq_idx[1, 128:], seq_idx[1, 382:] = 1, 2
+    got = _virtual_ring(monkeypatch, [128, 128, 128, 128], "cuda", dtype, "deterministic", seq_idx=seq_idx)
+    assert all(bitwise for bitwise, _, _ in got.values()), got
