@@ -185,3 +185,13 @@ def test_memory_model_by_hand():
     assert cp4["static_bytes"] == 16 * params                             # CP replicates the training state
     assert cp4["activation_bytes"] == 10.0 * 2 * 1000 / 4
     assert cp4["total_bytes"] == cp4["static_bytes"] + cp4["activation_bytes"]
+
+
+def test_the_exercise_checker_takes_the_hand_computed_cut(capsys):
+    from mambalab.exercises import ch06
+
+    # mamba2-2.7b, b 1: state 80·64·128·4 = 2,621,440; halo 5376·3·2 = 32,256; together 2,653,696
+    assert ch06.context_parallel_bytes_per_cut(2_653_696) is True
+    assert ch06.context_parallel_bytes_per_cut(2_621_440) is False      # the state alone
+    assert ch06.context_parallel_bytes_per_cut(None) is False
+    assert "✓" in capsys.readouterr().out

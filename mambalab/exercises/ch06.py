@@ -5,16 +5,20 @@
 * :func:`activation_bytes_per_rank`: the bytes of one layer's input activation each rank holds, with or
   without sequence parallelism.
 * :func:`parameters_per_rank`: the parameters TP rank 0 holds for a model config.
+* :func:`context_parallel_bytes_per_cut`: the bytes one context-parallel cut sends forward per layer (the SSD's
+  final state and the conv's halo), at mamba2-2.7b's sizes by default.
 
 Each checker prints one line and returns True or False; it never raises on a wrong answer, and an answer
-left as ``None`` or ``...`` reads "not attempted yet". The defaults are the 460M-parameter model's step:
-d_model 1024, 8 × 2048 tokens, bf16 activations (2 bytes).
+left as ``None`` or ``...`` reads "not attempted yet". The TP defaults are the 460M-parameter model's step:
+d_model 1024, 8 × 2048 tokens, bf16 activations (2 bytes); the CP defaults mamba2-2.7b's layer at b = 1: h 80,
+p 64, n 128, conv_dim 5120 + 2·128 = 5376, d_conv 4, bf16 activations.
 """
 from __future__ import annotations
 
 from mambalab.exercises import not_attempted
 
-__all__ = ["activation_bytes_per_rank", "allreduce_bytes_per_layer", "parameters_per_rank"]
+__all__ = ["activation_bytes_per_rank", "allreduce_bytes_per_layer", "context_parallel_bytes_per_cut",
+           "parameters_per_rank"]
 
 
 def _number(answer):
@@ -67,3 +71,14 @@ def parameters_per_rank(answer, config, tp: int = 2) -> bool:
         return False
     want = memory_per_rank(config, tp)[0]["parameters"]
     return _compare(answer, want, f"parameters on rank 0 (TP = {tp})")
+
+
+def context_parallel_bytes_per_cut(answer, batch: int = 1, nheads: int = 80, headdim: int = 64, d_state: int = 128,
+                                   conv_dim: int = 5376, d_conv: int = 4, element_size: int = 2) -> bool:
+    """``answer``: bytes one cut between context-parallel ranks sends forward in one layer: the SSD's final state
+    (b, h, p, n) fp32 and the conv's last d_conv - 1 inputs (b, conv_dim, d_conv - 1) in the activations' dtype."""
+    from mambalab.parallel.cost import context_parallel_communication
+
+    want = context_parallel_communication(batch, nheads, headdim, d_state, conv_dim, d_conv, 2,
+                                          element_size)["forward_bytes"]
+    return _compare(answer, want, "bytes sent forward per cut and layer")
