@@ -20,7 +20,8 @@ TINY = LMConfig()   # d_model 32, expand 2, headdim 8, d_state 16, ngroups 4, d_
 
 
 def test_context_parallel_bytes_by_hand():
-    # b 1, h 2, p 3, n 5: state 4·1·2·3·5 = 120; conv_dim 7, d_conv 4: halo 7·3 = 21 numbers, 42 bytes in bf16, 84 in fp32
+    # b 1, h 2, p 3, n 5: state 4·1·2·3·5 = 120 bytes;
+    # conv_dim 7, d_conv 4: halo 7·3 = 21 numbers, 42 bytes in bf16, 84 in fp32
     got = context_parallel_communication(1, 2, 3, 5, 7, 4, cp=2, element_size=2)
     assert got == {"state_bytes": 120, "halo_forward_bytes": 42, "halo_backward_bytes": 84, "forward_bytes": 162,
                    "backward_bytes": 204}

@@ -24,16 +24,16 @@ numbers are the real parameter shapes: fp32 parameters, fp32 gradients and AdamW
 
 **The two ways to split the sequence** (:func:`context_parallel_communication`, :func:`sequence_split_bytes`).
 Megatron's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
-Transformer Models", section 4.2.2) splits along l only the activations *between* the tensor-parallel layers:
-each layer all-gathers its (b·l, d_model) input before in_proj and reduce-scatters its output after out_proj, the
-bytes of one all-reduce, 2 (T − 1)/T · b·l·d_model · e each way per layer, O(l·d). Context parallelism
-(:mod:`mambalab.parallel.context`) gives each of R ranks a contiguous piece of the sequence; per layer a cut
-moves, forward, the SSD's final state (b, h, p, n) fp32 and the conv's last d_conv − 1 inputs (b, conv_dim,
-d_conv − 1) in the activations' dtype to the next rank, and backward their gradients, (b, h, p, n) fp32 and
-(b, conv_dim, d_conv − 1) fp32, to the previous one (conv_dim = d_inner + 2·g·n, the x, B and C channels the
-conv runs over: :mod:`mambalab.parallel.context_mamba2`):
+Transformer Models", its section on sequence parallelism) splits along l only the activations *between* the
+tensor-parallel layers: each layer all-gathers its (b·l, d_model) input before in_proj and reduce-scatters its
+output after out_proj, the bytes of one all-reduce, 2 (T − 1)/T · b·l·d_model · e each way per layer, O(l·d).
+Context parallelism (:mod:`mambalab.parallel.context`) gives each of R ranks a contiguous piece of the sequence;
+per layer a cut moves, forward, the SSD's final state (b, h, p, n) fp32 and the conv's last d_conv − 1 inputs
+(b, conv_dim, d_conv − 1) in the activations' dtype to the next rank, and backward their gradients,
+(b, h, p, n) fp32 and (b, conv_dim, d_conv − 1) fp32, to the previous one (conv_dim = d_inner + 2·g·n, the x, B
+and C channels the conv runs over: :mod:`mambalab.parallel.context_mamba2`):
 
-    forward   4·b·h·p·n + b·conv_dim·(d_conv − 1)·e        backward   4·b·h·p·n + 4·b·conv_dim·(d_conv − 1)
+    forward   4·b·h·p·n + b·conv_dim·(d_conv − 1)·e    backward   4·b·h·p·n + 4·b·conv_dim·(d_conv − 1)
 
 independent of l. Its parameters are whole on every CP rank, so their gradients are summed over the group once a
 step: :func:`~mambalab.parallel.context.sum_over_ranks` all-gathers R copies, (R − 1)·N·4 bytes sent per rank for
