@@ -53,8 +53,10 @@ def test_dims_dtypes_and_empty_sizes():
     x = partials(2, SEGMENT + 9, reduce.BLOCK_INNER + 3)
     want = fold_reference(x, dim=1)
     assert torch.equal(sum_partials(x.to(KERNEL_DEVICE), dim=1).cpu(), want)
-    moved = x.movedim(1, 2).contiguous()                            # (2, inner, P): fold the last dim
-    assert torch.equal(sum_partials(moved.to(KERNEL_DEVICE), dim=-1).cpu(), want)
+    # (2, 7, P): fold the last dim. Seven columns, not all of inner: with the folded dim last every column is
+    # a program of its own (inner = 1), and 515 of them take the interpreter seconds to show the same thing.
+    moved = x[..., :7].movedim(1, 2).contiguous()
+    assert torch.equal(sum_partials(moved.to(KERNEL_DEVICE), dim=-1).cpu(), want[..., :7])
     low = sum_partials(x.to(KERNEL_DEVICE), dim=1, out_dtype=torch.bfloat16).cpu()
     assert low.dtype == torch.bfloat16
     if KERNEL_DEVICE == "cpu":   # the interpreter's cast to bf16 truncates where a GPU's rounds to nearest
