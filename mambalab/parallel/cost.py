@@ -27,6 +27,9 @@ Megatron's sequence parallelism (Korthikanti et al. 2022, "Reducing Activation R
 Transformer Models", its section on sequence parallelism) splits along l only the activations *between* the
 tensor-parallel layers: each layer all-gathers its (b·l, d_model) input before in_proj and reduce-scatters its
 output after out_proj, the bytes of one all-reduce, 2 (T − 1)/T · b·l·d_model · e each way per layer, O(l·d).
+That is the count for :mod:`mambalab.parallel.linear`, whose column-parallel layer keeps the gathered input for its
+weight gradient; Megatron-LM's keeps only the 1/T shard and all-gathers it again in the backward
+(``LinearWithGradAccumulationAndAsyncCommunication.backward``), one more (T − 1)/T · b·l·d_model · e.
 Context parallelism (:mod:`mambalab.parallel.context`) gives each of R ranks a contiguous piece of the sequence;
 per layer a cut moves, forward, the SSD's final state (b, h, p, n) fp32 and the conv's last d_conv − 1 inputs
 (b, conv_dim, d_conv − 1) in the activations' dtype to the next rank, and backward their gradients,
@@ -37,12 +40,16 @@ and C channels the conv runs over: :mod:`mambalab.parallel.context_mamba2`):
 
 independent of l. Its parameters are whole on every CP rank, so their gradients are summed over the group once a
 step: :func:`~mambalab.parallel.context.sum_over_ranks` all-gathers R copies, (R − 1)·N·4 bytes sent per rank for
-N fp32 gradients, also independent of l.
+N fp32 gradients, also independent of l (a ring all-reduce would send 2 (R − 1)/R · N·4, in the library's order of
+additions; the all-gather fixes the order, so every run gives the same bits).
 
 **Memory per rank against the sequence length** (:func:`memory_model`) is a model, not a measurement: the
 training state, 16 bytes a parameter, sharded T ways by TP and replicated by CP, plus the saved activations,
 a bytes-per-token-per-layer coefficient × n_layer × b·l / (T·R) (TP splits every layer's per-head tensors and,
-with sequence parallelism, the rest along l; CP splits all of them along l). The coefficient comes from
+with sequence parallelism, the rest along l; CP splits all of them along l). It divides by T what
+:mod:`mambalab.parallel.linear` keeps whole under sequence parallelism, in_proj's gathered input (b·l·d_model), and
+it does not check that T divides the heads and groups (:class:`~mambalab.parallel.mamba2.TensorParallelMamba2`
+does). The coefficient comes from
 :func:`activation_bytes_per_token`, a count of what autograd saves in one block's forward, or from a
 measurement (``benchmarks/bench_train_step.py``).
 """
@@ -142,7 +149,8 @@ def sequence_split_bytes(config: LMConfig, batch: int, seqlen: int, degree: int,
     of ``element_size`` bytes:
 
     * ``sequence_parallel_bytes``: each rank's all-gather + reduce-scatter forward and backward,
-      2 · 2 (T − 1)/T · b·l·d_model · e (:func:`layer_communication`), O(l·d_model);
+      2 · 2 (T − 1)/T · b·l·d_model · e (:func:`layer_communication`), O(l·d_model); Megatron-LM's backward
+      all-gathers the saved input shard once more (module docstring);
     * ``context_parallel_bytes``: a cut's forward + backward (:func:`context_parallel_communication`), the most an
       interior rank sends, independent of l;
     * ``context_parallel_gradient_bytes``: the layer's share of the step's gradient sum over the CP group,

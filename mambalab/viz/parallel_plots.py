@@ -151,9 +151,9 @@ def sequence_split_figure(rows: Sequence[Mapping], degree: int, title: str) -> g
     for i, (key, name, dash) in enumerate((
             ("sequence_parallel_bytes", f"Megatron SP (TP = {degree}): all-gather + reduce-scatter of (b·l, d_model)",
              "solid"),
-            ("context_parallel_bytes", f"CP = {degree}: SSD state + conv halo, each way", "solid"),
+            ("context_parallel_bytes", f"CP = {degree}: a cut's SSD state + conv halo, forward + backward", "solid"),
             ("context_parallel_gradient_bytes", f"CP = {degree}: the layer's gradients summed over the group "
-                                                "(once a step)", "dot"))):
+                                                "(all-gather, once a step)", "dot"))):
         fig.add_trace(go.Scatter(x=seqlens, y=[r[key] / 2**20 for r in rows], name=name, mode="lines+markers",
                                  line=dict(color=_COLORS[i], dash=dash)))
     fig.update_xaxes(type="log", title_text="sequence length l (tokens, b = 1)", tickvals=seqlens,
