@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 BUILD_DIR = ROOT / "build"
 CHAPTER_PATTERN = "[0-9][0-9]_*.ipynb"
+IOPUB_TIMEOUT_S = 120   # seconds papermill waits for a cell's last output (nbclient's default: 4)
 
 
 class ThisInterpreterKernelManager(AsyncKernelManager):
@@ -96,6 +97,9 @@ def execute(path: str | Path, out_dir: str | Path, parameters: dict | None = Non
         progress_bar=False,
         log_output=log_output,
         execution_timeout=timeout,
+        # papermill raises once a cell's last output takes longer than this after the kernel's reply: nbclient's
+        # 4 s default is exceeded on a loaded two-core machine (chapter 01 under a full test run)
+        iopub_timeout=IOPUB_TIMEOUT_S,
     )
     return output
 
