@@ -178,7 +178,8 @@ def _varlen_states(res, x_, B_, init_, seq_idx, cu_seqlens):
 
     The states entering the chunks are passed again in fp32 when the forward kept them in x's dtype (bf16,
     fp16) for its dots: each sequence's final state starts from one of them, and a bf16 copy would round it
-    at 2^-8 (upstream's test_chunk_state_varlen, atol 3e-3, saw 7.8e-3 with such a copy: results log, 2026-12-03)."""
+    at 2^-8 (upstream's test_chunk_state_varlen, atol 3e-3, saw 7.8e-3 with such a copy:
+    benchmarks/results/README.md, 2026-12-03)."""
     entering = res.entering_states
     if entering.dtype != torch.float32 and res.chunk_states is not None:
         entering, _ = _kernels.state_passing_fwd(res.chunk_states, res.dA_cumsum, init_, res.tiles,
