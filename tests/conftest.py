@@ -114,7 +114,7 @@ SMALLER_ON_CPU = {
     # one routed library model (tests/test_compat.py steps each of them)
     "05_deterministic_kernels": dict(FP_L=32, FP_BATCHES=[1, 2], TRAIN_STEPS=2, LIBRARY_MODELS=["mamba_ssm.Mamba2"]),
     # two gloo ranks instead of four: TP_DEGREES is derived from NPROC in the parameters cell, so it is given too
-    "06_tensor_parallel_training": dict(NPROC=2, TP_DEGREES=[1, 2],
+    "06_tensor_parallel_training": dict(NPROC=2, TP_DEGREES=[1, 2], CP_DEGREES=[1, 2],
                                        RUN=dict(task="mqar", batch_size=8, seq_len=32, steps=8, lr=3e-3, warmup=3)),
     "07_inference": dict(CHECK_BATCH=1, CHECK_PREFILL=6, CHECK_DECODE=2, NAIVE_TOKENS=16, CORPUS_CHARS=20_000,
                          TRAIN=dict(steps=20, batch_size=16, seq_len=128, lr=4e-3, warmup=5), SAMPLE_CHARS=40),
