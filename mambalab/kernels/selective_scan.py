@@ -98,8 +98,7 @@ def tile_config(channels_per_group: int, n: int, l: int) -> TileConfig:
     One warp a program.
 
     Backward (4 channels, 128 steps): 2.70 ms against 2.77 for (8, 64), 2026-11-30_h200_selective_scan_flip_ab.json.
-    Forward one channel: 0.66 ms against 0.71 for two, 2026-11-30_h200_selective_scan_v8_fwd_column_carry.json
-    (key tile_sweep_v8; the file is in git at 75741d7^).
+    Forward one channel: 0.66 ms against 0.71 for two (benchmarks/results/README.md, 2026-11-30).
     """
     block_n = triton.next_power_of_2(max(n, 1))
     block_l = min(512, max(16, triton.next_power_of_2(max(l, 1))))

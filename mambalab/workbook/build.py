@@ -97,9 +97,7 @@ def execute(path: str | Path, out_dir: str | Path, parameters: dict | None = Non
         progress_bar=False,
         log_output=log_output,
         execution_timeout=timeout,
-        # papermill raises once a cell's last output takes longer than this after the kernel's reply: nbclient's
-        # 4 s default is exceeded on a loaded two-core machine (chapter 01 under a full test run)
-        iopub_timeout=IOPUB_TIMEOUT_S,
+        iopub_timeout=IOPUB_TIMEOUT_S,   # past it papermill raises: a slow cell's output is not a failed cell
     )
     return output
 
