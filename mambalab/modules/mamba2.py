@@ -269,9 +269,9 @@ class Mamba2(nn.Module):
         xBC = xBC.transpose(1, 2)                                           # (b, conv_dim, l): channels first
         if cache is not None and cu_seqlens is not None:                    # one window per sequence
             cache[0].copy_(varlen_conv_states(xBC, cu_seqlens, self.d_conv))
-            xBC = causal_conv1d(self.conv1d, xBC, seq_idx=seq_idx)
+            xBC = self._conv(xBC, seq_idx=seq_idx)
         else:
-            xBC = causal_conv1d(self.conv1d, xBC, cache[0] if cache is not None else None, seq_idx=seq_idx)
+            xBC = self._conv(xBC, cache[0] if cache is not None else None, seq_idx=seq_idx)
         xBC = xBC.transpose(1, 2)                                           # (b, l, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b,l,h,p), (b,l,g,n), (b,l,g,n)
         A = -torch.exp(self.A_log.float())                                  # (h,)
@@ -312,6 +312,11 @@ class Mamba2(nn.Module):
             ids = torch.arange(-1, len(bounds) - 1, device=u.device, dtype=torch.int32).roll(-1)   # 0 … k-1, -1
             seq_idx = torch.repeat_interleave(ids, lengths)[None]                 # (1, l)
         return seq_idx
+
+    def _conv(self, xBC, conv_state=None, seq_idx=None):
+        """The causal conv and its SiLU over xBC (b, conv_dim, l) -> (b, conv_dim, l); ``conv_state`` (b,
+        conv_dim, d_conv), when given, is overwritten with the last d_conv inputs."""
+        return causal_conv1d(self.conv1d, xBC, conv_state, seq_idx=seq_idx)
 
     def _scan(self, x, dt, A, B, C, z, return_final_states: bool, seq_idx=None, cu_seqlens=None):
         """SSD over the sequence with this block's D, dt_bias, dt_limit and chunk size: the kernel op, or the

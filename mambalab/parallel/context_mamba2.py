@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from mambalab.modules.lm import LMConfig
-from mambalab.ops import ssd_chunk_scan
-from mambalab.ops.conv1d import causal_conv1d_fn
+from mambalab.modules.mamba2 import Mamba2
 from mambalab.parallel.context import context_parallel_conv1d, context_parallel_ssd, sum_over_ranks
 from mambalab.parallel.layout import ParallelLayout
 from mambalab.parallel.lm import TensorParallelMambaLM
@@ -58,34 +56,24 @@ class ContextParallelMamba2(TensorParallelMamba2):
 
     def forward(self, u: torch.Tensor, seq_idx: torch.Tensor | None = None) -> torch.Tensor:
         """u (b, l_k, d_model) -> (b, l_k, d_model). seq_idx (b, l_k) or None: this piece of the packed
-        sequences' indices (nonnegative, nondecreasing along the whole sequence; given on every rank or none)."""
-        if u.dim() != 3 or u.shape[-1] != self.d_model:
-            raise ValueError(f"u must have shape (b, l_k, d_model={self.d_model}); got {tuple(u.shape)}")
-        single = self.layout.cp == 1
-        group = self.layout.cp_group
-        z0, x0, z, xBC, dt = self.in_proj(u).split(self.split_sizes(), dim=-1)   # (b, l_k, ·) each
-        weight = self.conv1d.weight[:, 0]                                         # (conv_dim, d_conv)
-        xBC = xBC.transpose(1, 2)                                                 # (b, conv_dim, l_k)
-        if single:
-            xBC = causal_conv1d_fn(xBC, weight, self.conv1d.bias, None if seq_idx is None else
-                                   seq_idx.to(torch.int32), activation="silu")
-        else:
-            xBC = context_parallel_conv1d(xBC, weight, self.conv1d.bias, "silu", seq_idx=seq_idx, group=group)
-        x, B, C = self.split_heads(*xBC.transpose(1, 2).split(self.xBC_split_sizes(), dim=-1))
-        A = -torch.exp(self.A_log.float())                                        # (h,)
-        gate = None if self.rmsnorm else z.unflatten(-1, (self.nheads, self.headdim))
-        common = dict(D=self._skip().float(), z=gate, dt_bias=self.dt_bias.float(), dt_softplus=True,
-                      dt_limit=self.dt_limit, reduction=self.reduction)
-        if single:
-            y = ssd_chunk_scan(x, dt, A, B, C, self.chunk_size, seq_idx=seq_idx, **common)
-        else:
-            y = context_parallel_ssd(x, dt, A, B, C, self.chunk_size, seq_idx=seq_idx, group=group, **common)
-        y = y.flatten(-2)                                                         # (b, l_k, d_ssm)
-        if self.rmsnorm:
-            y = self.norm(y, z)
-        if self.d_mlp > 0:
-            y = torch.cat([F.silu(z0) * x0, y], dim=-1)                           # (b, l_k, d_inner)
-        return self.out_proj(y)                                                   # (b, l_k, d_model)
+        sequences' indices (nonnegative, nondecreasing along the whole sequence; given on every rank or none).
+        Mamba2's forward, whose conv (:meth:`_conv`) and SSD (:meth:`_scan`) this block passes across the cuts."""
+        return Mamba2.forward(self, u, seq_idx=seq_idx)   # TensorParallelMamba2.forward takes no seq_idx
+
+    def _conv(self, xBC, conv_state=None, seq_idx=None):
+        if self.layout.cp == 1:
+            return super()._conv(xBC, conv_state, seq_idx)
+        if conv_state is not None:
+            raise NotImplementedError("ContextParallelMamba2 does not decode with a cache; use Mamba2")
+        return context_parallel_conv1d(xBC, self.conv1d.weight[:, 0], self.conv1d.bias, "silu", seq_idx=seq_idx,
+                                       group=self.layout.cp_group)
+
+    def _scan(self, x, dt, A, B, C, z, return_final_states: bool, seq_idx=None, cu_seqlens=None):
+        if self.layout.cp == 1:
+            return super()._scan(x, dt, A, B, C, z, return_final_states, seq_idx, cu_seqlens)
+        return context_parallel_ssd(x, dt, A, B, C, self.chunk_size, D=self._skip().float(), z=z,
+                                    dt_bias=self.dt_bias.float(), dt_softplus=True, dt_limit=self.dt_limit,
+                                    reduction=self.reduction, seq_idx=seq_idx, group=self.layout.cp_group)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()} [cp={self.layout.cp}]"

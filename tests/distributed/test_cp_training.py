@@ -72,8 +72,7 @@ def test_block_tp2_cp2_forward_and_every_gradient_equal_one_process_with_packed_
 
 
 def test_block_with_cp1_is_the_single_process_block_and_refuses_the_reference_scan():
-    """layout.cp = 1 (no process group): the plain ops on the whole sequence, to float32 rounding of Mamba2 (which
-    runs nn.Conv1d where ContextParallelMamba2 runs causal_conv1d_fn)."""
+    """layout.cp = 1 (no process group): Mamba2's own conv and SSD on the whole sequence."""
     torch.manual_seed(0)
     full = Mamba2(16, d_state=8, headdim=8, ngroups=2, chunk_size=16)
     block = ContextParallelMamba2(16, single_process_layout(), d_state=8, headdim=8, ngroups=2, chunk_size=16)
