@@ -59,12 +59,18 @@ from dataclasses import replace
 
 import torch
 
+from mambalab import validate
 from mambalab.modules.lm import LMConfig
 from mambalab.parallel.layout import ParallelLayout
 
 __all__ = ["activation_bytes_per_token", "allreduce_bytes", "collectives_per_layer", "context_parallel_communication",
            "layer_communication", "layer_parameters", "memory_model", "memory_per_rank", "saved_activation_bytes",
            "sequence_split_bytes"]
+
+
+def _positive(**values) -> None:
+    for name, v in values.items():
+        validate.positive_int(name, v)
 
 
 def collectives_per_layer(d_model: int, d_state: int = 16, dt_rank: int | None = None) -> dict[str, dict]:
@@ -94,9 +100,7 @@ def memory_per_rank(config: LMConfig, tp: int, bytes_per_param: int = 16) -> lis
 def allreduce_bytes(numel: int, tp: int, element_size: int = 2) -> float:
     """Bytes each rank sends in a ring all-reduce of ``numel`` elements of ``element_size`` bytes over ``tp``
     ranks: 2 (tp − 1)/tp · numel · element_size (0 for tp = 1)."""
-    for name, v in (("numel", numel), ("tp", tp), ("element_size", element_size)):
-        if not isinstance(v, int) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    _positive(numel=numel, tp=tp, element_size=element_size)
     return 2 * (tp - 1) / tp * numel * element_size
 
 
@@ -112,12 +116,6 @@ def layer_communication(d_model: int, tokens: int, tp: int, sequence_parallel: b
         raise ValueError(f"sequence parallelism splits the {tokens} tokens over tp = {tp} ranks; tp must divide them")
     held = numel * element_size // (tp if sequence_parallel else 1)
     return {"forward_bytes": sent, "backward_bytes": sent, "activation_bytes": held}
-
-
-def _positive(**values) -> None:
-    for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive int; got {v!r}")
 
 
 def context_parallel_communication(batch: int, nheads: int, headdim: int, d_state: int, conv_dim: int, d_conv: int,
