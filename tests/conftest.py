@@ -101,13 +101,12 @@ def rotate_halves(x, theta):
 
 
 # Sizes the tests give chapters whose CPU sizes take a minute or more a run in Triton's interpreter, assigned in a
-# cell after the `parameters` cell (tagged "injected-parameters", as papermill's). tests/browser runs every chapter
-# named here at these sizes in JupyterLab; tests/test_notebooks.py and the offline pages run the chapters of
-# PAPERMILL_SMALLER at them under papermill, and every other chapter at the sizes a reader gets. What the tests
-# check (every cell runs, figures draw, sliders redraw, pages render offline, the chapters' own checks) holds at
-# these sizes. With a GPU, or with MAMBALAB_UPDATE_PREVIEWS=1 (the previews show what a reader sees), nothing is
-# injected. Values are what papermill writes as Python literals (None, bool, int, float, str, list, dict): it
-# turns a tuple into its string.
+# cell after the `parameters` cell (tagged "injected-parameters", as papermill's) by whichever run executes the
+# chapter (JupyterLab's or papermill's, see executed_notebook), so every test reads the chapter at these sizes. What
+# the tests check (every cell runs, figures draw, sliders redraw, pages render offline, the chapters' own checks)
+# holds at these sizes. With a GPU, or with MAMBALAB_UPDATE_PREVIEWS=1 (the previews show what a reader sees),
+# nothing is injected. Values are what papermill writes as Python literals (None, bool, int, float, str, list,
+# dict): it turns a tuple into its string.
 SMALLER_ON_CPU = {
     "02_ssd_chunking": dict(STEPS_L=64, CHECK_L=64, COST_LENGTHS=[128, 256], COST_REPEATS=1),
     "04_atomic_nondeterminism": dict(SSD_SHAPE=[2, 32, 4, 4, 1, 4], SSD_RUNS=2, NORM_ROWS=64, NORM_D=256),
@@ -119,30 +118,37 @@ SMALLER_ON_CPU = {
     "07_inference": dict(CHECK_BATCH=1, CHECK_PREFILL=6, CHECK_DECODE=2, NAIVE_TOKENS=16, CORPUS_CHARS=20_000,
                          TRAIN=dict(steps=20, batch_size=16, seq_len=128, lr=4e-3, warmup=5), SAMPLE_CHARS=40),
 }
-PAPERMILL_SMALLER = ("05_deterministic_kernels", "06_tensor_parallel_training", "07_inference")
 
 
-def smaller_sizes(path: Path, *, papermill: bool) -> dict:
+def smaller_sizes(path: Path) -> dict:
     """The sizes injected into the chapter at ``path`` (see SMALLER_ON_CPU); {} for none."""
     if torch.cuda.is_available() or os.environ.get("MAMBALAB_UPDATE_PREVIEWS") == "1":
-        return {}
-    if papermill and path.stem not in PAPERMILL_SMALLER:
         return {}
     return SMALLER_ON_CPU.get(path.stem, {})
 
 
-# Executing a chapter (papermill) keeps one core busy for up to two minutes while pytest itself only waits, and
-# CI has two cores. In one process, the notebooks that the selected tests ask for are executed one after another
-# in a background thread from the session's first test, and the tests that read them run last: the same
-# executions, beside the rest of the suite instead of in its way. Under pytest-xdist (`./run.sh test` runs two
-# workers, --dist loadscope) each worker is a session of its own, so a notebook's readers must share a worker:
-# NotebookScopeScheduling gives each notebook's readers one work unit and each module one (its module-scoped
-# fixtures are computed once), and a worker executes a notebook when its first reader asks.
-_NOTEBOOKS_TO_EXECUTE = pytest.StashKey[list]()
+# Each chapter is executed once a test session, and every test that reads it reads that one execution. A chapter
+# keeps one core busy for up to two minutes while pytest itself only waits, and CI has two cores.
+# * When the chapter's JupyterLab run (LAB_RUNS: Run All Cells in headless Chromium) is among the selected tests and
+#   can run (Chromium and Playwright are here), it is the execution: the copy JupyterLab saves, outputs included,
+#   is what executed_notebook gives the readers. Playwright's synchronous API belongs to the thread that started
+#   it, so the lab run is a test in the foreground: each chapter's lab tests run just before its readers.
+# * Otherwise (no Chromium, `-m "not browser"`, tests/test_notebooks.py alone) papermill executes it, as
+#   `./run.sh workbook` does. In one process these chapters are executed one after another in a background thread
+#   from the session's first test, and their readers run last: the same executions, beside the rest of the suite
+#   instead of in its way.
+# Under pytest-xdist (`./run.sh test` runs two workers, --dist loadscope) each worker is a session of its own, so a
+# chapter's lab run and its readers must share a worker: NotebookScopeScheduling makes them one work unit a chapter
+# and each module one (its module-scoped fixtures are computed once), and a worker executes a chapter when its
+# first test asks. Under another --dist mode nothing keeps them together, so papermill executes every chapter there.
+_PAPERMILL_IN_BACKGROUND = pytest.StashKey[list]()
+_EXECUTED_IN_LAB = pytest.StashKey[set]()
 # The modules whose tests read ``executed_notebook``, parametrized by the notebook's path with its stem as id.
 NOTEBOOK_READERS = ("tests/test_notebooks.py", "tests/browser/test_pages_offline.py")
 # The module that runs each notebook in JupyterLab, its tests parametrized the same way.
 LAB_RUNS = "tests/browser/test_workbook_in_browser.py"
+# workerinput's key saying that NotebookScopeScheduling hands out the work (pytest_configure_node)
+_UNITS_KEY = "mambalab_notebook_units"
 
 
 def _notebook_params(item) -> list:
@@ -150,50 +156,77 @@ def _notebook_params(item) -> list:
     return [p for p in params if isinstance(p, Path) and p.suffix == ".ipynb"]
 
 
+def _lab_can_run(config) -> bool:
+    """Whether this process runs a chapter's lab tests and its readers together, with a browser to run them."""
+    if hasattr(config, "workerinput") and not config.workerinput.get(_UNITS_KEY, False):
+        return False
+    try:
+        import playwright.sync_api  # noqa: F401
+        from browser.conftest import find_chromium
+    except ImportError:
+        return False
+    return find_chromium() is not None
+
+
 @pytest.hookimpl(trylast=True)   # after -k, -m and --deselect have dropped what will not run
 def pytest_collection_modifyitems(config, items):
-    """Tests that use ``executed_notebook`` go last, in their order; their notebooks are noted for
-    :func:`executed_notebook` to execute from the session's start. Under pytest-xdist they keep their place."""
+    """The tests that use ``executed_notebook`` and the JupyterLab runs go last, a chapter at a time: its lab
+    tests, then its readers (in their order). Notes which chapters JupyterLab executes and which papermill
+    executes from the session's start (in one process; under pytest-xdist a worker executes a chapter when its
+    first test asks)."""
     reading = [item for item in items if "executed_notebook" in getattr(item, "fixturenames", ())]
-    if not reading:
-        return
     stray = [item.nodeid for item in reading if item.nodeid.split("::")[0] not in NOTEBOOK_READERS]
     if stray:
         raise pytest.UsageError(f"{stray[0]} reads executed_notebook outside NOTEBOOK_READERS (tests/conftest.py)")
-    if hasattr(config, "workerinput"):
+    lab = [item for item in items if item.nodeid.split("::")[0] == LAB_RUNS]
+    in_lab = {p for item in lab for p in _notebook_params(item)} if lab and _lab_can_run(config) else set()
+    config.stash[_EXECUTED_IN_LAB] = in_lab
+    if not reading and not lab:
         return
-    ids = {id(item) for item in reading}
-    items[:] = [item for item in items if id(item) not in ids] + reading
-    config.stash[_NOTEBOOKS_TO_EXECUTE] = list(dict.fromkeys(p for item in reading for p in _notebook_params(item)))
+    lab_ids, reader_ids = {id(item) for item in lab}, {id(item) for item in reading}
+    chapters: dict = {}   # notebook -> ([its lab tests], [its readers]), in the order they first appear
+    for item in items:
+        if id(item) in lab_ids or id(item) in reader_ids:
+            for path in _notebook_params(item)[:1]:
+                chapters.setdefault(path, ([], []))[id(item) in reader_ids].append(item)
+    ids = {id(item) for tests, readers in chapters.values() for item in tests + readers}
+    items[:] = [item for item in items if id(item) not in ids] + [
+        item for tests, readers in chapters.values() for item in tests + readers]
+    if not hasattr(config, "workerinput"):
+        config.stash[_PAPERMILL_IN_BACKGROUND] = [p for p, (_, readers) in chapters.items()
+                                                  if readers and p not in in_lab]
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist's, on the controller
+def pytest_configure_node(node):
+    node.workerinput[_UNITS_KEY] = node.config.getvalue("dist") == "loadscope"
 
 
 @pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist's
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadscope with each notebook's readers in one work unit (see NotebookScopeScheduling)."""
+    """--dist loadscope with each chapter's lab run and readers in one work unit (see NotebookScopeScheduling)."""
     if config.getvalue("dist") != "loadscope":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class NotebookScopeScheduling(LoadScopeScheduling):
-        """One work unit a module, except that the tests of NOTEBOOK_READERS parametrized by a notebook form
-        one unit for that notebook (``notebook:<stem>``), whichever module they are in, and LAB_RUNS' tests
-        one unit a notebook (``lab:<stem>``), so that the JupyterLab runs spread over the workers. Units go
-        out largest first (loadscope's order), the notebooks' ahead of any module's: each keeps a worker busy
-        for a minute or two, so they must not come last."""
+        """One work unit a module, except that the tests of NOTEBOOK_READERS and LAB_RUNS parametrized by a
+        notebook form one unit for that notebook (``notebook:<stem>``), whichever module they are in: its one
+        execution serves them all, and the chapters spread over the workers. Units go out largest first
+        (loadscope's order), the notebooks' ahead of any module's: each keeps a worker busy for a minute or two,
+        so they must not come last."""
 
         def _split_scope(self, nodeid: str) -> str:
             module, _, rest = nodeid.partition("::")
             ids = rest.rpartition("[")[2].rstrip("]").split("-") if rest.endswith("]") else []
             stems = [i for i in ids if i in NOTEBOOK_STEMS]
-            if module in NOTEBOOK_READERS and stems:
+            if (module in NOTEBOOK_READERS or module == LAB_RUNS) and stems:
                 return f"notebook:{stems[0]}"
-            if module == LAB_RUNS and stems:
-                return f"lab:{stems[0]}"
             return module
 
         def _assign_work_unit(self, node) -> None:
             if not getattr(self, "_notebooks_put_first", False):
-                for scope in [s for s in self.workqueue if s.startswith(("notebook:", "lab:"))][::-1]:
+                for scope in [s for s in self.workqueue if s.startswith("notebook:")][::-1]:
                     self.workqueue.move_to_end(scope, last=False)
                 self._notebooks_put_first = True
             super()._assign_work_unit(node)
@@ -207,36 +240,76 @@ NOTEBOOK_STEMS = {p.stem for p in (Path(__file__).resolve().parents[1] / "notebo
 @pytest.fixture(scope="session", autouse=True)
 def _execute_notebooks_from_the_start(request):
     """Start :func:`executed_notebook`'s background executions with the session's first test."""
-    if request.config.stash.get(_NOTEBOOKS_TO_EXECUTE, None):
+    if request.config.stash.get(_PAPERMILL_IN_BACKGROUND, None):
         request.getfixturevalue("executed_notebook")
 
 
 @pytest.fixture(scope="session")
-def executed_notebook(request, tmp_path_factory):
-    """``executed_notebook(path)``: the notebook at ``path`` executed as ``./run.sh workbook`` executes it
-    (papermill, a fresh kernel; the chapters of PAPERMILL_SMALLER with :func:`smaller_sizes` injected), once per
-    test session; returns the executed copy.
-    tests/test_notebooks.py and the offline-page tests in tests/browser share the run. The notebooks of the
-    selected tests are executed one after another in a background thread from the session's start (see
-    pytest_collection_modifyitems); asking for one waits for its run. Under pytest-xdist a worker executes a
-    notebook when a test first asks for it. A failed run raises its error again for every test that asks for
-    that notebook."""
+def lab_executed() -> dict:
+    """The chapters JupyterLab executed in this session (tests/browser/test_workbook_in_browser.py records
+    them): notebook path -> the copy JupyterLab saved, or, where its run broke off, why (a str)."""
+    return {}
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(request, tmp_path_factory, lab_executed):
+    """``executed_notebook(path)``: the notebook at ``path`` executed once per test session, with
+    :func:`smaller_sizes` injected after its ``parameters`` cell; returns the executed copy.
+
+    Where this session runs the chapter in JupyterLab (see the notes above NOTEBOOK_READERS), the copy
+    is the one JupyterLab saved after Run All Cells: that run is kept rather than a papermill run because it
+    alone meets the notebook as a reader does (JupyterLab's front end, its widget manager, sliders driving live
+    figures), and its saved copy holds every output a papermill run writes. Elsewhere papermill executes it as
+    ``./run.sh workbook`` does, on a fresh kernel. Either way a failed cell raises
+    :class:`papermill.exceptions.PapermillExecutionError` (the cell, its error and traceback) for every test that
+    asks for that notebook."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mambalab import workbook
 
+    in_lab = request.config.stash.get(_EXECUTED_IN_LAB, set())
     out = tmp_path_factory.mktemp("executed")
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executed_notebook")
     runs: dict = {}
 
     def submit(path):
         if path not in runs:
-            runs[path] = pool.submit(workbook.execute, path, out, smaller_sizes(path, papermill=True))
+            runs[path] = pool.submit(workbook.execute, path, out, smaller_sizes(path))
         return runs[path]
 
-    for path in request.config.stash.get(_NOTEBOOKS_TO_EXECUTE, []):
+    def executed(path):
+        if path in in_lab:
+            return _saved_by_lab(path, lab_executed)
+        return submit(path).result()   # the run's exception, raised again, if it failed
+
+    for path in request.config.stash.get(_PAPERMILL_IN_BACKGROUND, []):
         submit(path)
     try:
-        yield lambda path: submit(path).result()   # the run's exception, raised again, if it failed
+        yield executed
     finally:
         pool.shutdown(wait=True, cancel_futures=True)   # the notebook executing now finishes; none starts
+
+
+def _saved_by_lab(path: Path, lab_executed: dict) -> Path:
+    """The copy of ``path`` JupyterLab saved after Run All Cells; raises what papermill would raise for its first
+    failed cell (Run All Cells stops there), or why there is no copy."""
+    import nbformat
+    from papermill.exceptions import PapermillExecutionError
+
+    saved = lab_executed.get(path)
+    if saved is None:
+        raise RuntimeError(f"{path.name}: JupyterLab did not run it in this session; {LAB_RUNS} runs it just "
+                           "before this test, and its errors say why")
+    if isinstance(saved, str):
+        raise RuntimeError(f"{path.name}: its run in JupyterLab broke off: {saved}")
+    nb = nbformat.read(saved, as_version=4)
+    for index, cell in enumerate(nb.cells):
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                raise PapermillExecutionError(index, cell.execution_count, cell.source, output.ename,
+                                              output.evalue, output.traceback)
+    unrun = [i for i, c in enumerate(nb.cells)
+             if c.cell_type == "code" and c.source.strip() and c.execution_count is None]
+    if unrun:
+        raise RuntimeError(f"{path.name}: cells {unrun} did not run in JupyterLab")
+    return saved

@@ -1,9 +1,10 @@
 """Every notebook in notebooks/ runs start to finish and renders to HTML whose figures work offline; every
 committed notebook is clean. The harness itself (mambalab.workbook) is tested on throwaway notebooks.
 
-Notebooks run as ``./run.sh workbook`` runs them: papermill, a fresh kernel each, so their ``parameters``
-cells pick the small CPU sizes when there is no GPU; the chapters of tests/conftest.py's PAPERMILL_SMALLER get
-smaller sizes still, injected by papermill after that cell.
+Each notebook is executed once per test session (tests/conftest.py's ``executed_notebook``): by Run All Cells in
+JupyterLab when the browser tests run it, else by papermill as ``./run.sh workbook`` runs it. Either way a fresh
+kernel, so the ``parameters`` cell picks the small CPU sizes when there is no GPU, and the chapters of
+tests/conftest.py's SMALLER_ON_CPU get smaller sizes still, injected after that cell.
 """
 import ast
 import json
@@ -14,7 +15,7 @@ import nbformat
 import pytest
 from papermill.exceptions import PapermillExecutionError
 
-from conftest import PAPERMILL_SMALLER, SMALLER_ON_CPU, smaller_sizes
+from conftest import SMALLER_ON_CPU, smaller_sizes
 from mambalab import workbook
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
@@ -24,12 +25,12 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))  # globbed at collection: a ne
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_and_renders_offline(path, tmp_path, executed_notebook):
-    executed = executed_notebook(path)  # raises PapermillExecutionError on failure
+    executed = executed_notebook(path)  # raises PapermillExecutionError for a failed cell, whoever ran it
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors, f"{path.name}: {errors[0].ename}: {errors[0].evalue}"
     injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
-    assert (_assigned(injected[0].source) if injected else {}) == smaller_sizes(path, papermill=True), \
+    assert (_assigned(injected[0].source) if injected else {}) == smaller_sizes(path), \
         f"{path.name}: the executed copy's injected sizes differ from tests/conftest.py's"
     page = workbook.render_html(executed, tmp_path / "html")
     assert workbook.offline_figure_problems(executed, page.read_text(encoding="utf-8")) == []
@@ -81,10 +82,6 @@ def test_smaller_sizes_are_parameters_of_their_chapter(stem):
 
     odd = {name: value for name, value in SMALLER_ON_CPU[stem].items() if not literal(value)}
     assert not odd, f"{stem}: papermill would not write {odd} as the same literal (use lists, not tuples)"
-
-
-def test_papermill_smaller_chapters_are_in_the_table():
-    assert set(PAPERMILL_SMALLER) <= set(SMALLER_ON_CPU)
 
 
 # --- the harness, on throwaway notebooks --------------------------------------------------------------
@@ -165,6 +162,39 @@ def test_offline_figure_problems_flags_missing_setup_and_cdn(tmp_path):
     assert any("setup()" in p for p in problems)
     cdn = '<script src="https://cdn.plot.ly/plotly-3.0.1.min.js"></script>'
     assert any("network" in p for p in workbook.offline_figure_problems(path, cdn))
+
+
+def test_lab_copy_fails_its_readers_as_papermill_does(tmp_path):
+    """A copy JupyterLab saved after Run All Cells stopped at an error raises papermill's error for that cell;
+    a copy with cells left unexecuted, a run that broke off or none at all raise, naming the notebook."""
+    from papermill.exceptions import PapermillExecutionError
+
+    from conftest import _saved_by_lab
+
+    path = make_notebook(tmp_path / "00_lab.ipynb", "x = 1", "raise ValueError('boom in lab')", "y = 2")
+    nb = nbformat.read(path, as_version=4)   # cells: heading, parameters, x = 1, raise, y = 2
+    for count, cell in enumerate(nb.cells[1:4], 1):
+        cell.execution_count = count
+    traceback = ["\x1b[0;31mValueError\x1b[0m Traceback", "ValueError: boom in lab"]
+    nb.cells[3].outputs = [nbformat.v4.new_output("error", ename="ValueError", evalue="boom in lab",
+                                                  traceback=traceback)]
+    nbformat.write(nb, path)
+    with pytest.raises(PapermillExecutionError, match="boom in lab") as failed:
+        _saved_by_lab(path, {path: path})
+    assert (failed.value.cell_index, failed.value.exec_count, failed.value.ename) == (3, 3, "ValueError")
+    assert failed.value.source == "raise ValueError('boom in lab')"
+
+    nb.cells[3].outputs = []
+    nbformat.write(nb, path)
+    with pytest.raises(RuntimeError, match=r"00_lab.ipynb: cells \[4\] did not run"):
+        _saved_by_lab(path, {path: path})
+    nb.cells[4].execution_count = 4
+    nbformat.write(nb, path)
+    assert _saved_by_lab(path, {path: path}) == path
+    with pytest.raises(RuntimeError, match="00_lab.ipynb: its run in JupyterLab broke off: Failed: timeout"):
+        _saved_by_lab(path, {path: "Failed: timeout"})
+    with pytest.raises(RuntimeError, match="00_lab.ipynb: JupyterLab did not run it"):
+        _saved_by_lab(path, {})
 
 
 def test_title_of_reads_the_first_heading(tmp_path):

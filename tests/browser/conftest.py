@@ -45,9 +45,11 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 SERVER_START_TIMEOUT_S = 90
 # JupyterLab settings for the throwaway settings folder: every cell rendered (no virtual scrolling, so
-# checks see every output), and no news or update checks (they would go to the network).
+# checks see every output), widget state saved with the notebook (as papermill saves it: the offline page draws
+# widgets from it), and no news or update checks (they would go to the network).
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+    "@jupyter-widgets/jupyterlab-manager/plugin": {"saveState": True},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
 

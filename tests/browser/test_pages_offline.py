@@ -1,6 +1,7 @@
-"""The workbook's exported pages as a reader on a train opens them: each chapter executed as ``./run.sh workbook``
-executes it, rendered as it renders it (:func:`mambalab.workbook.render_html`), and opened from disk in headless
-Chromium with every request other than the page itself aborted.
+"""The workbook's exported pages as a reader on a train opens them: each chapter executed (tests/conftest.py's
+``executed_notebook``: JupyterLab's Run All Cells when test_workbook_in_browser.py runs it, else papermill),
+rendered as ``./run.sh workbook`` renders it (:func:`mambalab.workbook.render_html`), and opened from disk in
+headless Chromium with every request other than the page itself aborted.
 
 For every notebook in notebooks/:
 
@@ -11,7 +12,7 @@ For every notebook in notebooks/:
 * every plotly slider in the page changes its figure when clicked to another step;
 * every widget shows a static form (no widget view is left waiting for a widget manager).
 
-The notebooks are executed once per test session, shared with tests/test_notebooks.py.
+The notebooks are executed once per test session, shared with tests/test_notebooks.py and the JupyterLab runs.
 """
 from __future__ import annotations
 

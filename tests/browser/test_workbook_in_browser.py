@@ -13,7 +13,9 @@ For every notebook in notebooks/ (globbed, so a new chapter is covered as is):
   (:func:`mambalab.workbook.render_html`), the page shows every figure with all network requests aborted.
 
 A screenshot of each notebook after its run goes to build/browser/; its kernel is shut down afterwards,
-whatever the checks found. The server, the browser and the request blocking live in conftest.py.
+whatever the checks found. The server, the browser and the request blocking live in conftest.py. This run is the
+test session's one execution of the chapter: tests/test_notebooks.py and test_pages_offline.py read the copy it
+saves (tests/conftest.py's ``executed_notebook``).
 """
 from __future__ import annotations
 
@@ -140,7 +142,7 @@ def _parameters_cell(nb) -> int:
 def copy_for_lab(source: Path, target: Path) -> None:
     """Copy the notebook to the server's folder, with its :func:`conftest.smaller_sizes` assigned in a cell after
     its ``parameters`` cell."""
-    parameters = smaller_sizes(source, papermill=False)
+    parameters = smaller_sizes(source)
     if not parameters:
         shutil.copy2(source, target)
         return
@@ -153,8 +155,12 @@ def copy_for_lab(source: Path, target: Path) -> None:
 
 
 @pytest.fixture(scope="module", params=NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def ran_notebook(request, lab_server, browser_context, screenshot):
-    """Open the notebook fresh, Run All Cells, save it; afterwards shut its kernel down and close the tab."""
+def ran_notebook(request, lab_server, browser_context, screenshot, lab_executed, tmp_path_factory):
+    """Open the notebook fresh, Run All Cells, save it; afterwards shut its kernel down and close the tab.
+
+    The copy saved right after the run is recorded in ``lab_executed``: it is this session's executed copy of
+    the chapter, which tests/test_notebooks.py and test_pages_offline.py read (tests/conftest.py's
+    ``executed_notebook``); where the run breaks off, the reason is recorded instead."""
     name = request.param.name
     copy_for_lab(request.param, lab_server.root / name)
     page = browser_context.new_page()
@@ -173,7 +179,8 @@ def ran_notebook(request, lab_server, browser_context, screenshot):
             screenshot(page, f"{request.param.stem}-timeout")
             pytest.fail(f"{name}: Run All Cells did not finish in {RUN_TIMEOUT_MS / 1000:.0f} s: {state} ({err})")
         cells = page.evaluate(_CELLS, name)
-        ran = RanNotebook(name=name, page=page, cells=cells, saved=lab_server.root / name)
+        saved = tmp_path_factory.mktemp("executed-lab") / name   # the run's outputs, before any slider moves
+        ran = RanNotebook(name=name, page=page, cells=cells, saved=saved)
         # The picture: the first error, else the first slider-driven figure, else the first figure, else the top.
         errors = _first(cells, lambda c: any(o.get("output_type") == "error" for o in c["outputs"]))
         drawn = [f["cell"] for f in ran.figures()]
@@ -188,7 +195,12 @@ def ran_notebook(request, lab_server, browser_context, screenshot):
         page.get_by_role("menuitem", name=re.compile(r"^Save Notebook(?! As)")).click()  # name ends in its shortcut
         page.wait_for_function("(path) => { %s return panel && !panel.context.model.dirty; }" % _PANEL,
                                arg=name, timeout=30_000)
+        shutil.copyfile(lab_server.root / name, saved)
+        lab_executed[request.param] = saved
         yield ran
+    except BaseException as err:   # pytest.fail's Failed included: the readers say why there is no copy
+        lab_executed.setdefault(request.param, f"{type(err).__name__}: {err}")
+        raise
     finally:
         try:
             lab_server.shut_down_kernels_of(name)
