@@ -20,7 +20,7 @@
 #   gen-tests           all of test_generate.py
 #   upstream            mamba-ssm's own tests, ported (tests/upstream), at upstream's sizes
 #   notebooks*          every chapter at its GPU size (mambalab workbook)
-#   nb-NN               chapter NN at its GPU size (nb-01 waits for the extension)
+#   nb-NN               chapter NN at its GPU size (nb-01 waits for the extension, nb-05 for ccd-ext's build)
 #   bench*              bench_selective_scan.py against selective_scan_fn, with the tile sweep
 #   bench-nosweep*      the same without the sweep
 #   ssd-bench           bench_ssd.py against mamba_chunk_scan_combined: deterministic mode, then default (bf16 fp32)
@@ -109,6 +109,7 @@ for step in "$@"; do
     upstream) run_pytest -q tests/upstream ;;
     notebooks) ext_ready; within python3 -m mambalab workbook --output-dir "$OUT/wb" >>"$log" 2>&1; show=. ;;
     nb-*) [ "${step#nb-}" = 01 ] && ext_ready   # chapter 01 compares with mamba-ssm's CUDA kernel
+          [ "${step#nb-}" = 05 ] && ccd_ready   # chapter 05 steps mamba-ssm's fused models (ccd-ext earlier)
           within python3 -m mambalab workbook --only "${step#nb-}" --output-dir "$OUT/wb" >>"$log" 2>&1 ;;
     bench|bench-nosweep) sweep=; [ "$step" = bench ] && sweep=--sweep
                          ext_ready; within python3 benchmarks/bench_selective_scan.py $sweep --profile \
