@@ -1,6 +1,8 @@
-"""mambalab.ops.causal_conv1d_fn against references: forward, final states and every gradient (dx, dweight,
-dbias, dinitial_states) in fp32 and bf16; packed sequences (seq_idx, padding); gradients in float64;
-a bitwise-repeatable backward whose dweight does not depend on the GPU profile; the errors it raises.
+"""mambalab.ops.causal_conv1d_fn (its Triton kernels, mambalab.kernels.conv1d) against references: forward,
+final states and every gradient (dx, dweight, dbias, dinitial_states) in fp32 and bf16, for contiguous and
+channel-last x; packed sequences (seq_idx, padding); fewer positions than the window; gradients against a
+float64 reference; a bitwise-repeatable backward whose dweight is sum_partials' fold of per-tile partials;
+tile sizes that do not depend on the GPU; the errors it raises.
 
 ``causal_conv1d_ref`` below is the ``causal_conv1d`` package's reference, ported from Dao-AILab/causal-conv1d,
 causal_conv1d/causal_conv1d_interface.py (Copyright (c) 2024, Tri Dao; BSD 3-Clause License): F.conv1d with
@@ -11,10 +13,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from mambalab import aot, device
 from mambalab.determinism import emulate
+from mambalab.kernels import conv1d as conv_kernels
 from mambalab.kernels.reduce import fold_reference
 from mambalab.modules.conv import causal_conv1d as module_causal_conv1d
 from mambalab.ops import causal_conv1d_fn
+from mambalab.ops import conv1d as conv1d_op
+from mambalab.ops.conv1d import causal_conv_taps
 
 from conftest import KERNEL_DEVICE, requires_gpu
 
@@ -161,37 +167,146 @@ def test_module_conv_uses_the_same_taps():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def backward_once(x, w, bias, init, g):
-    x, w, bias, init = leaves(x, w, bias, init)
-    out = causal_conv1d_fn(x, w, bias, initial_states=init, activation="silu")
-    out.backward(g)
-    return x.grad, w.grad, bias.grad, init.grad
+def reference64(x, w, bias, seq_idx, init, silu, final):
+    """out (and the final states) in float64 from causal_conv_taps, with leaves for autograd: the kernels'
+    reference. x, w, bias, init as given (None allowed), upcast; returns (leaves, out, final_states or None)."""
+    leaves64 = [None if t is None else t.detach().double().requires_grad_() for t in (x, w, bias, init)]
+    x64, w64, b64, i64 = leaves64
+    out = causal_conv_taps(x64, w64, b64, seq_idx, i64)
+    out = F.silu(out) if silu else out
+    if seq_idx is not None:
+        out = out.masked_fill((seq_idx < 0)[:, None], 0.0)
+    states = None
+    if final:
+        width = w.shape[1]
+        before = torch.zeros_like(x64[..., :width - 1]) if i64 is None else i64
+        states = torch.cat([before, x64], dim=-1)[..., x64.shape[-1]:]            # the last width - 1 inputs
+    return leaves64, out, states
+
+
+def channel_last(x):
+    """x (b, d, l) with the same values stored (b, l, d): as mamba-ssm passes xBC.transpose(1, 2)."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+KERNEL_CASES = {   # bias, activation, initial states and final states, packed sequences with padding
+    "bias-silu-states": dict(bias=True, silu=True, init=True, final=True, packed=False),
+    "plain-states": dict(bias=False, silu=False, init=True, final=True, packed=False),
+    "bias-silu-packed": dict(bias=True, silu=True, init=False, final=False, packed=True),
+}
+
+
+def run_against_reference64(dtype, width, layout, case, b=2, d=3, l=70, seed=20):
+    """The op (its Triton kernels) against :func:`reference64`: out, final states, dx, dweight, dbias and
+    dinitial_states, with a gradient on the final states too."""
+    c = KERNEL_CASES[case]
+    x, w, bias, init = inputs(b, d, l, width, dtype, bias=c["bias"], init=c["init"], seed=seed)
+    if layout == "channel_last":
+        x = channel_last(x)
+        init = None if init is None else channel_last(init)
+    seq_idx = packed(b, l, [[1, 30, l - 39], [l - 8]], pad=8) if c["packed"] else None
+    ours = leaves(x, w, bias, init)
+    got = causal_conv1d_fn(ours[0], ours[1], ours[2], seq_idx=seq_idx, initial_states=ours[3],
+                           return_final_states=c["final"], activation="silu" if c["silu"] else None)
+    out, fs = got if c["final"] else (got, None)
+    ref, out64, fs64 = reference64(x, w, bias, seq_idx, init, c["silu"], c["final"])
+    assert out.dtype == dtype and out.stride() == x.stride()
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), out64, **tol)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = torch.randn(out.shape, generator=gen).to(dtype).to(out.device)
+    loss, loss64 = (out.float() * g.float()).sum(), (out64 * g.double()).sum()
+    if c["final"]:
+        torch.testing.assert_close(fs.double(), fs64, rtol=0, atol=0)          # a copy of inputs: exact
+        gf = torch.randn(fs.shape, generator=gen).to(dtype).to(out.device)
+        loss, loss64 = loss + (fs.float() * gf.float()).sum(), loss64 + (fs64 * gf.double()).sum()
+    loss.backward()
+    loss64.backward()
+    for name, got_, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
+        if want is None:
+            assert got_ is None, name
+            continue
+        if name == "dx":
+            assert got_.stride() == x.stride(), "dx keeps x's layout"
+        # dweight and dbias are fp32 sums of b · l products of the same inputs: fp32 accuracy in any dtype
+        t = dict(rtol=1e-4, atol=1e-4) if name in ("dweight", "dbias") else tol
+        torch.testing.assert_close(got_.double(), want, **t, msg=name)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_kernels_against_float64_reference(width, layout, case):
+    """fp32, l = 70: two position blocks, the second partial."""
+    run_against_reference64(torch.float32, width, layout, case)
+
+
+@pytest.mark.parametrize("case", ["bias-silu-states", "bias-silu-packed"])
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+def test_kernels_against_float64_reference_bf16(layout, case):
+    run_against_reference64(torch.bfloat16, 4, layout, case)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channel_last"])
+@pytest.mark.parametrize("l", [0, 2])
+def test_kernels_with_fewer_positions_than_the_window(l, layout):
+    """l < width - 1: the final states are partly (l = 2) or wholly (l = 0) the initial states, and their
+    gradient flows back to both."""
+    run_against_reference64(torch.float32, 4, layout, "bias-silu-states", l=l)
+    run_against_reference64(torch.float32, 4, layout, "plain-states", l=l)
 
 
 def test_backward_is_bitwise_repeatable_and_in_the_fixed_order():
-    """Two backwards give the same bits; dweight and dbias are the per-position partials summed in
-    sum_partials' order (fold_reference: the same order in PyTorch), whatever the GPU profile."""
-    b, d, l, width = 3, 5, 24, 4    # b·l = 72 partials: more than one segment of 32
-    x, w, bias, init = inputs(b, d, l, width, torch.float32, init=True, seed=11)
+    """Two backwards give the same bits; dweight and dbias are exactly sum_partials' fold (fold_reference: the
+    same order in PyTorch) of the kernel's per-tile partials, one a (batch row, block of BLOCK_L positions),
+    and those partials are the per-tile sums of dpre · x recomputed in PyTorch."""
+    b, d, l, width = 11, 2, 2 * conv_kernels.BLOCK_L + 7, 2      # 11 · 3 = 33 partials: two segments of 32
+    blocks = -(-l // conv_kernels.BLOCK_L)
+    x, w, bias, _ = inputs(b, d, l, width, torch.float32, seed=11)
     g = torch.randn(b, d, l, generator=torch.Generator().manual_seed(12)).to(x)
-    first, second = backward_once(x, w, bias, init, g), backward_once(x, w, bias, init, g)
+
+    def backward_once():
+        ours = leaves(x, w, bias)
+        causal_conv1d_fn(*ours).backward(g)
+        return grads(*ours)
+
+    first, second = backward_once(), backward_once()
     for a, c in zip(first, second):
         assert torch.equal(a, c)
-    with emulate("rtx4090"):
-        dw_4090 = backward_once(x, w, bias, init, g)[1]
-    with emulate("rtxa6000"):
-        dw_a6000 = backward_once(x, w, bias, init, g)[1]
-    assert torch.equal(dw_4090, dw_a6000)
-    # the partials from the reference's own autograd pieces: dpre · (the input each tap reads)
-    xp = torch.cat([init, x], dim=-1)
-    pre = causal_conv1d_ref(x, w, bias, initial_states=init)
-    s = torch.sigmoid(pre)
-    dpre = g * s * (1 + pre * (1 - s))
-    taps = torch.stack([dpre * xp[..., k:k + l] for k in range(width)], dim=-1)      # (b, d, l, width)
-    partials = taps.permute(0, 2, 1, 3).reshape(b * l, d, width)
-    torch.testing.assert_close(first[1], fold_reference(partials, 0), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(first[2], fold_reference(dpre.transpose(1, 2).reshape(b * l, d), 0),
-                               rtol=1e-6, atol=1e-6)
+    _, _, partials = conv_kernels.causal_conv1d_bwd_partials(x, w, bias, None, None, g, None, False)
+    assert partials.shape == (b * blocks, d, width + 1)
+    folded = fold_reference(partials, 0)
+    assert torch.equal(first[1], folded[:, :width]) and torch.equal(first[2], folded[:, width])
+    # the partials from PyTorch, in float64: without an activation dpre = g; tap k reads x_{t - (width - 1) + k}
+    xp = F.pad(x.double(), (width - 1, 0))
+    per_position = torch.stack([g.double() * xp[..., k:k + l] for k in range(width)] + [g.double()], dim=-1)
+    per_position = F.pad(per_position, (0, 0, 0, blocks * conv_kernels.BLOCK_L - l))   # (b, d, blocks · 64, W + 1)
+    tiles = per_position.reshape(b, d, blocks, conv_kernels.BLOCK_L, width + 1).sum(3)  # (b, d, blocks, W + 1)
+    want = tiles.permute(0, 2, 1, 3).reshape(b * blocks, d, width + 1)
+    torch.testing.assert_close(partials.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded.double(), fold_reference(want.float(), 0).double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not device.interpreter_active(), reason="records launches through Triton's interpreter")
+def test_tile_sizes_do_not_depend_on_the_gpu():
+    """The tile sizes are module-level ints, and the kernels' launches (every constexpr, num_warps) are the
+    same whatever GPU the device layer reports: recorded, not run, under two profiles of other SM counts."""
+    for name in ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "STATE_ROWS"):
+        assert type(getattr(conv_kernels, name)) is int, name
+
+    def run():
+        x, w, bias, init = leaves(*inputs(2, 70, 100, 4, torch.bfloat16, init=True, seed=14))
+        out, fs = causal_conv1d_fn(channel_last(x), w, bias, initial_states=init, return_final_states=True,
+                                   activation="silu")
+        torch.autograd.backward([out, fs], [torch.ones_like(out), torch.ones_like(fs)])
+
+    with emulate("l4"):
+        on_l4 = aot.record_launches(run)
+    with emulate("h200"):
+        on_h200 = aot.record_launches(run)
+    names = {launch.name for launch in on_l4}
+    assert {"causal_conv1d_fwd_kernel", "causal_conv1d_bwd_kernel"} <= names, names
+    assert on_l4 == on_h200
 
 
 def test_final_states_out_is_written():
@@ -227,15 +342,19 @@ def test_refusals():
             causal_conv1d_fn(**kwargs)
 
 
-def test_refuses_more_positions_than_the_backward_sums_launch():
-    """b · l past 32 · 65,535 (CUDA's cap on grid axis 1, 32 partials a program) is refused when weight needs a
-    gradient, before any computation; without one the forward runs."""
-    x = torch.zeros(1, 1, 32 * 65_535 + 1, device=KERNEL_DEVICE)
+def test_refuses_more_partials_than_the_backward_sums_launch(monkeypatch):
+    """b · cdiv(l, BLOCK_L) partials past 32 · 65,535 (CUDA's cap on grid axis 1, 32 partials a program) is
+    refused when weight needs a gradient, before any computation; without one the forward is launched."""
+    b = 32 * 65_535 + 1
+    x = torch.zeros(b, 1, 1, device=KERNEL_DEVICE)
     weight = torch.ones(1, 2, device=KERNEL_DEVICE)
-    with pytest.raises(ValueError, match=r"l \(x.shape\[2\]\) = 2,097,121 is too large"):
+    with pytest.raises(ValueError, match=r"partials \(x.shape\[0\] · position blocks\) = 2,097,121 is too large"):
         causal_conv1d_fn(x, weight.requires_grad_())
+    launched = []
+    monkeypatch.setattr(conv1d_op, "causal_conv1d_fwd", lambda x, *a: launched.append(x.shape) or (x, None))
     with torch.no_grad():
-        assert causal_conv1d_fn(x, weight).shape == x.shape
+        causal_conv1d_fn(x, weight)
+    assert launched == [x.shape]
 
 
 @pytest.mark.gpu
@@ -254,3 +373,35 @@ def test_gpu_sizes(dtype):
     for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
         tol = dict(rtol=1e-3, atol=1e-2) if name in ("dweight", "dbias") else TOL[dtype]
         torch.testing.assert_close(got.float(), want.float(), **tol, msg=name)
+
+
+@pytest.mark.gpu
+@requires_gpu
+def test_gpu_channel_last_upstream_sizes():
+    """At causal_conv1d's benchmark sizes (b 2, d 4096, l 2048, bf16, channel-last x as mamba-ssm passes it):
+    forward, final states and every gradient against the float64 reference; the backward's bits repeat."""
+    b, d, l, width = 2, 4096, 2048, 4
+    x, w, bias, init = inputs(b, d, l, width, torch.bfloat16, init=True, device="cuda")
+    x, init = channel_last(x), channel_last(init)
+
+    def run():
+        ours = leaves(x, w, bias, init)
+        out, fs = causal_conv1d_fn(*ours[:3], initial_states=ours[3], return_final_states=True, activation="silu")
+        gen = torch.Generator(device="cuda").manual_seed(2)
+        g = torch.randn(out.shape, generator=gen, device="cuda").to(out.dtype)
+        gf = torch.randn(fs.shape, generator=gen, device="cuda").to(fs.dtype)
+        torch.autograd.backward([out, fs], [g, gf])
+        return ours, out, fs, g, gf
+
+    ours, out, fs, g, gf = run()
+    assert out.stride() == x.stride() and ours[0].grad.stride() == x.stride()
+    ref, out64, fs64 = reference64(x, w, bias, None, init, True, True)
+    torch.testing.assert_close(out.double(), out64, **TOL[torch.bfloat16])
+    torch.testing.assert_close(fs.double(), fs64, rtol=0, atol=0)
+    torch.autograd.backward([out64, fs64], [g.double(), gf.double()])
+    for name, got, want in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), grads(*ref)):
+        tol = dict(rtol=1e-3, atol=1e-2) if name in ("dweight", "dbias") else TOL[torch.bfloat16]
+        torch.testing.assert_close(got.double(), want, **tol, msg=name)
+    again = grads(*run()[0])
+    for name, a, c in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), again):
+        assert torch.equal(a, c), name

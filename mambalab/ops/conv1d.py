@@ -14,10 +14,17 @@ a tap reads only inputs of t's own sequence; positions whose ``seq_idx`` is nega
 Shapes: x (b, d, l); weight (d, width); bias (d,); seq_idx (b, l) int32; initial_states and final states
 (b, d, width - 1), the last width - 1 inputs (oldest first).
 
-The forward and backward compute in fp32 with PyTorch ops. The backward's dweight and dbias sum over the
-b · l positions with :func:`mambalab.kernels.reduce.sum_partials`, in an order fixed by the shape alone, so
-their bits do not depend on the GPU (its SM count) or the run; dx and dinitial_states are sums over the
-``width`` taps in tap order.
+The forward and the backward are one Triton kernel each (:mod:`mambalab.kernels.conv1d`, which states the
+tile rule): on a GPU natively, on the CPU through Triton's interpreter, computing in fp32 and storing in x's
+dtype; out and dx keep x's layout (channel-last x, as mamba-ssm passes it, stays channel-last). The order of the
+sums: pre is the bias, then the ``width`` taps in tap order; dx and dinitial_states are the ``width`` taps in
+tap order, then the final states' gradient; dweight and dbias are each tile's sum over its 64 positions, written
+as one partial a (batch row, block of positions), then folded by :func:`mambalab.kernels.reduce.sum_partials`.
+Every step's order is fixed by the shape, the dtypes and x's layout alone, so the bits do not depend on the GPU
+(its model, its SM count) or the run.
+
+:func:`causal_conv_taps` is the same convolution (before its activation) in plain PyTorch: the reference the
+kernels are tested against, and what :mod:`mambalab.modules.conv` runs for packed sequences.
 """
 from __future__ import annotations
 
@@ -26,7 +33,8 @@ import torch.nn.functional as F
 
 from mambalab import device as _device
 from mambalab import validate
-from mambalab.kernels.reduce import sum_partials
+from mambalab.kernels.conv1d import BLOCK_L, causal_conv1d_bwd, causal_conv1d_fwd, launch_grid, partial_count
+from mambalab.kernels.reduce import SEGMENT
 
 __all__ = ["causal_conv1d_fn", "causal_conv_taps"]
 
@@ -59,7 +67,8 @@ def causal_conv_taps(x: torch.Tensor, weight: torch.Tensor, bias=None, seq_idx=N
     """The convolution before its activation, pre (b, d, l), as a sum of ``width`` shifted (and, with
     ``seq_idx``, masked) copies of x, in x's dtype: x (b, d, l), weight (d, width), bias (d,) or None,
     seq_idx (b, l) or None, initial_states (b, d, width - 1) or None. Plain PyTorch, differentiable; no checks
-    (callers validate). :mod:`mambalab.modules.conv` uses it for packed sequences."""
+    (callers validate). :mod:`mambalab.modules.conv` uses it for packed sequences; the tests check the
+    kernels against it."""
     l, width = x.shape[-1], weight.shape[-1]
     xp, sp = _padded(x, seq_idx, initial_states, width)                     # (b, d, width - 1 + l)
     y = torch.zeros_like(x) if bias is None else bias[:, None].expand_as(x).to(x.dtype)
@@ -68,67 +77,45 @@ def causal_conv_taps(x: torch.Tensor, weight: torch.Tensor, bias=None, seq_idx=N
     return y
 
 
-def _silu_grad(pre: torch.Tensor) -> torch.Tensor:
-    """d silu(p) / dp = s (1 + p (1 - s)), s = sigmoid(p)."""
-    s = torch.sigmoid(pre)
-    return s * (1 + pre * (1 - s))
+def kernel_inputs(x, weight, bias, seq_idx, initial_states):
+    """The tensors as the kernels take them: floats in the device's compute dtype (fp32 on the CPU
+    interpreter; :func:`mambalab.device.compute_dtype`), seq_idx int32 with unit stride along l.
+    :mod:`mambalab.parallel.context` feeds its pieces to the kernels through it too."""
+    cast = lambda t: None if t is None else t.to(_device.compute_dtype(t.dtype, t.device))
+    if seq_idx is not None and (seq_idx.dtype != torch.int32 or seq_idx.stride(-1) != 1):
+        seq_idx = seq_idx.to(torch.int32).contiguous()
+    return cast(x), cast(weight), cast(bias), seq_idx, cast(initial_states)
 
 
 class CausalConv1dFn(torch.autograd.Function):
-    """The convolution with autograd, in fp32; inputs arrive validated."""
+    """The convolution with autograd, as :mod:`mambalab.kernels.conv1d`'s two kernels; inputs arrive
+    validated."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, seq_idx, initial_states, return_final_states, silu):
-        width, l = weight.shape[-1], x.shape[-1]
-        x32, w32 = x.float(), weight.float()
-        b32 = None if bias is None else bias.float()
-        init32 = None if initial_states is None else initial_states.float()
-        pre = causal_conv_taps(x32, w32, b32, seq_idx, init32)              # (b, d, l) fp32
-        out = F.silu(pre) if silu else pre
-        if seq_idx is not None:   # padding positions (seq_idx < 0) give 0, as causal_conv1d's forward kernel
-            out = out.masked_fill((seq_idx < 0)[:, None], 0.0)
+        out, final = causal_conv1d_fwd(*kernel_inputs(x, weight, bias, seq_idx, initial_states),
+                                       return_final_states, silu)
         ctx.save_for_backward(x, weight, bias, seq_idx, initial_states)
         ctx.silu = silu
-        out = out.to(x.dtype)
-        if not return_final_states:
-            return out, None
-        xp, _ = _padded(x32, None, init32, width)
-        return out, xp[..., l:].to(x.dtype)                                 # (b, d, width - 1)
+        ctx.set_materialize_grads(False)
+        return out.to(x.dtype), None if final is None else final.to(x.dtype)
 
     @staticmethod
     def backward(ctx, dout, dfinal):
         x, weight, bias, seq_idx, initial_states = ctx.saved_tensors
-        (b, d, l), width = x.shape, weight.shape[-1]
-        x32, w32 = x.float(), weight.float()
-        init32 = None if initial_states is None else initial_states.float()
-        xp, sp = _padded(x32, seq_idx, init32, width)
-        dpre = dout.float()                                                 # (b, d, l)
-        if ctx.silu:
-            b32 = None if bias is None else bias.float()
-            dpre = dpre * _silu_grad(causal_conv_taps(x32, w32, b32, seq_idx, init32))
-        if seq_idx is not None:
-            dpre = dpre.masked_fill((seq_idx < 0)[:, None], 0.0)
-        dx = dweight = dbias = dinit = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[4]:
-            dxp = torch.zeros_like(xp)                                      # (b, d, width - 1 + l)
-            for k in range(width):   # tap k's input gets weight[:, k] · dpre where it was read
-                contrib = w32[:, k, None] * dpre
-                if seq_idx is not None:
-                    contrib = torch.where((sp[:, k:k + l] == seq_idx)[:, None], contrib, 0.0)
-                dxp[..., k:k + l] += contrib
-            if dfinal is not None:   # the final states are xp's last width - 1 columns
-                dxp[..., l:] += dfinal.float()
-            dx = dxp[..., width - 1:].to(x.dtype)
-            if initial_states is not None:
-                dinit = dxp[..., :width - 1].to(initial_states.dtype)
-        # dweight and dbias: one partial (d,) per position, (b·l, d), summed in the order sum_partials fixes
-        over_positions = lambda t: sum_partials(t.transpose(1, 2).reshape(b * l, d), dim=0)   # (b, d, l) -> (d,)
-        if ctx.needs_input_grad[1]:
-            dweight = torch.stack([over_positions(_tap(xp, sp, seq_idx, k, l) * dpre) for k in range(width)],
-                                  dim=1).to(weight.dtype)                                   # (d, width)
-        if bias is not None and ctx.needs_input_grad[2]:
-            dbias = over_positions(dpre).to(bias.dtype)
-        return dx, dweight, dbias, None, dinit, None, None
+        xk, wk, bk, seq_idx, initk = kernel_inputs(x, weight, bias, seq_idx, initial_states)
+        if dout is None:   # only the final states reach the loss
+            dout = torch.zeros_like(xk)
+        compute = lambda t: None if t is None else t.to(xk.dtype)
+        dx, dweight, dbias, dinit = causal_conv1d_bwd(xk, wk, bk, seq_idx, initk, compute(dout), compute(dfinal),
+                                                      ctx.silu)
+        needs = ctx.needs_input_grad
+        return (dx.to(x.dtype) if needs[0] else None,
+                dweight.to(weight.dtype) if needs[1] else None,
+                dbias.to(bias.dtype) if bias is not None and needs[2] else None,
+                None,
+                dinit.to(initial_states.dtype) if initial_states is not None and needs[4] else None,
+                None, None)
 
 
 def _check(x, weight, bias, seq_idx, initial_states, return_final_states, final_states_out, activation):
@@ -175,9 +162,15 @@ def _check(x, weight, bias, seq_idx, initial_states, return_final_states, final_
     dev = validate.same_device(x=x, weight=weight, bias=bias, seq_idx=seq_idx, initial_states=initial_states,
                                final_states_out=final_states_out if return_final_states else None)
     _device.ensure_kernel_device(dev)
-    if validate.records_autograd(weight, bias):   # the backward's sums fold 32 of the b·l partials a program
-        validate.launch_grid("causal_conv1d_fn's backward sums of dweight and dbias", (1, -(-b * l // 32)),
-                             (("b (x.shape[0])", b), ("l (x.shape[2])", l)),
+    partials = f"b · cdiv(l, {BLOCK_L}) partials (x.shape[0] · position blocks)"
+    validate.launch_grid("causal_conv1d_fn's kernels", launch_grid(b, d, l),
+                         ((partials, partial_count(b, l)),
+                          ("d (x.shape[1])", d)))
+    if validate.records_autograd(weight, bias):   # sum_partials folds the P partials 32 a program
+        validate.launch_grid("causal_conv1d_fn's backward sums of dweight and dbias",
+                             (1, -(-partial_count(b, l) // SEGMENT)),
+                             (("b (x.shape[0])", b),
+                              (partials, partial_count(b, l))),
                              "; split the batch, or the sequence (passing the final states on as initial_states)")
 
 
@@ -202,8 +195,9 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
         and through the final states.
 
     Raises (before any computation), naming the argument: ValueError for an unknown activation, wrong shapes,
-    a width outside 2 … 4, more than 2,097,120 positions b · l when weight or bias needs a gradient (the grid of
-    the backward's sums), ``seq_idx`` together with ``initial_states`` or ``return_final_states`` (both of
+    a width outside 2 … 4, more than 2,097,120 partials b · cdiv(l, 64) (about 134 million positions) when
+    weight or bias needs a gradient (the grid of the backward's sums), more than 4,194,240 channels d (the
+    kernels' grid), ``seq_idx`` together with ``initial_states`` or ``return_final_states`` (both of
     which causal_conv1d refuses too); TypeError for wrong dtypes (float64, seq_idx not int32, bias not in
     weight's dtype, initial_states / final_states_out not in x's). causal_conv1d's memory-layout conditions
     (channel-last x for seq_idx and the states, d a multiple of 8) are not imposed: any layout is computed.

@@ -61,10 +61,12 @@ the ring needs fewer hops but adds the states in another order, which loses the 
 **The convolution** (:func:`context_parallel_conv1d`). pre_t = bias + Σ_k w_k x_{t-(W-1)+k} reads the W - 1
 inputs before t: rank r needs rank r-1's last W - 1 inputs (a halo) before its first output, and its first
 W - 1 outputs send gradient back to those inputs. Forward: each rank sends its last W - 1 inputs to the next,
-(b, d, W - 1) in x's dtype, and computes its piece with them in front. Backward: each rank sends d pre of its
-first W - 1 positions, (b, d, W - 1) fp32, to the previous rank, which appends them to its own d pre and adds
-every tap's contribution in tap order, as the single process does: dx equals the single process's bit for bit.
-dweight and dbias are sums over positions, folded per rank (the bound above applies). All ranks exchange at
+(b, d, W - 1) in x's dtype, and runs the op's forward kernel (:mod:`mambalab.kernels.conv1d`) over the piece
+with them in front, dropping the halo's outputs. Backward: each rank sends its first W - 1 inputs and their
+output gradients, (b, d, 2 (W - 1)) fp32, to the previous rank, which runs the op's backward kernel over
+[halo | piece | those] (the halo's output gradients zero): the kernel recomputes d pre at every position dx
+reads and adds the taps in the single process's order, so out and dx equal the single process's bit for bit.
+dweight and dbias are sums over this piece's positions in PyTorch, folded per rank (the bound above applies). All ranks exchange at
 once (no ring); every piece needs at least W - 1 positions.
 
 **Packed sequences** (``seq_idx``, each rank passing its piece; nonnegative: a padding mark -1 is refused). The
@@ -95,7 +97,9 @@ from mambalab.determinism import resolve_reduction
 from mambalab.kernels import ssd as _kernels
 from mambalab.kernels.reduce import sum_partials
 from mambalab.parallel.collectives import group_size
+from mambalab.kernels.conv1d import causal_conv1d_bwd_partials, causal_conv1d_fwd
 from mambalab.ops.conv1d import WIDTHS, causal_conv_taps
+from mambalab.ops.conv1d import kernel_inputs as conv_kernel_inputs   # the op's own kernel inputs: its bits
 from mambalab.ops.ssd import check_inputs, kernel_inputs   # the op's own checks and kernel inputs: its bits
 
 __all__ = ["context_parallel_conv1d", "context_parallel_ssd", "sum_over_ranks"]
@@ -319,7 +323,7 @@ def _exchange(send, to, recv_shape, dtype, frm, group):
 
 
 def _pre(x32, w32, b32, halo32, seq, halo_seq):
-    """The convolution before its activation on this piece, (b, d, l_r) fp32, as the single process computes it
+    """The convolution before its activation on this piece, (b, d, l_r) fp32, for dweight and dbias
     (:func:`mambalab.ops.conv1d.causal_conv_taps`): with packed sequences, over the halo and the piece together
     (a tap reads an input only where its sequence is the output's), the halo's own outputs dropped."""
     if halo32 is None or seq is None:
@@ -328,8 +332,15 @@ def _pre(x32, w32, b32, halo32, seq, halo_seq):
     return ext[..., halo32.shape[-1]:]
 
 
+def _joined(parts):
+    """The present tensors of ``parts`` joined along l (the last dimension)."""
+    parts = [t for t in parts if t is not None]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
 class _ConvPiece(torch.autograd.Function):
-    """The convolution of one piece: halo in front (forward), the next piece's d pre behind (backward). With
+    """The convolution of one piece, by the op's own kernels (:mod:`mambalab.kernels.conv1d`): the forward over
+    [halo | piece], the backward's dx over [halo | piece | the next piece's first width - 1 positions]. With
     packed sequences (``seq`` (b, l_r) int32) the sequences of the halo (``halo_seq``, the previous piece's last
     width - 1) and of the next piece's first width - 1 positions (``next_seq``) mask the taps that cross the
     cuts, as the single process masks every tap."""
@@ -338,39 +349,43 @@ class _ConvPiece(torch.autograd.Function):
     def forward(ctx, x, weight, bias, anchor, silu, seq, halo_seq, next_seq, prev, nxt, group):
         (b, d, l), width = x.shape, weight.shape[-1]
         halo = _exchange(x[..., l - (width - 1):], nxt, (b, d, width - 1), x.dtype, prev, group)
-        x32, w32 = x.float(), weight.float()
-        b32 = None if bias is None else bias.float()
-        halo32 = None if halo is None else halo.float()
-        pre = _pre(x32, w32, b32, halo32, seq, halo_seq)                    # (b, d, l) fp32
+        ext = _joined([halo, x])                                             # (b, d, [width - 1 +] l)
+        seq_ext = None if seq is None else _joined([halo_seq if halo is not None else None, seq])
+        out, _ = causal_conv1d_fwd(*conv_kernel_inputs(ext, weight, bias, seq_ext, None), False, silu)
         ctx.save_for_backward(x, weight, bias, halo, seq, halo_seq, next_seq)
         ctx.silu, ctx.prev, ctx.nxt, ctx.group = silu, prev, nxt, group
-        return (torch.nn.functional.silu(pre) if silu else pre).to(x.dtype)
+        return out[..., ext.shape[-1] - l:].to(x.dtype).contiguous()
 
     @staticmethod
     def backward(ctx, dout):
         x, weight, bias, halo, seq, halo_seq, next_seq = ctx.saved_tensors
         (b, d, l), width = x.shape, weight.shape[-1]
+        # the next piece's first width - 1 inputs and output gradients: its first outputs read this piece's last
+        # inputs, and the kernel recomputes their d pre as the single process does
+        send = torch.cat([x[..., :width - 1].float(), dout[..., :width - 1].float()], dim=-1)
+        ahead = _exchange(send, ctx.prev, (b, d, 2 * (width - 1)), torch.float32, ctx.nxt, ctx.group)
+        x_ahead = g_ahead = seq_ahead = None
+        if ahead is not None:
+            x_ahead, g_ahead = ahead[..., :width - 1].to(x.dtype), ahead[..., width - 1:].to(dout.dtype)
+            seq_ahead = next_seq
+        g_halo = None if halo is None else dout.new_zeros(b, d, width - 1)   # the halo's outputs are not ours
+        ext = _joined([halo, x, x_ahead])
+        seq_ext = None if seq is None else _joined([halo_seq if halo is not None else None, seq, seq_ahead])
+        xk, wk, bk, seq_ext, _ = conv_kernel_inputs(ext, weight, bias, seq_ext, None)
+        g_ext = _joined([g_halo, dout, g_ahead]).to(xk.dtype)
+        dx_ext, _, _ = causal_conv1d_bwd_partials(xk, wk, bk, seq_ext, None, g_ext, None, ctx.silu)
+        start = 0 if halo is None else width - 1
+        dx = dx_ext[..., start:start + l].to(x.dtype).contiguous()
+        # dweight and dbias: this piece's per-position partials, folded in sum_partials' order
         x32, w32 = x.float(), weight.float()
         halo32 = None if halo is None else halo.float()
         dpre = dout.float()
         if ctx.silu:
             dpre = dpre * _silu_grad(_pre(x32, w32, None if bias is None else bias.float(), halo32, seq, halo_seq))
-        # the previous rank's last inputs feed this rank's first width - 1 outputs: their d pre goes back
-        behind = _exchange(dpre[..., :width - 1], ctx.prev, (b, d, width - 1), torch.float32, ctx.nxt, ctx.group)
-        ext = dpre if behind is None else torch.cat([dpre, behind], dim=-1)  # (b, d, l [+ width - 1])
-        span = ext.shape[-1]
-        # the sequences of the inputs, [halo | piece | the next piece's first], and of the outputs, [piece | next]
         seq_in = None
-        if seq is not None:
+        if seq is not None:   # the sequences of the inputs [halo | piece]
             front = halo_seq if halo_seq is not None else seq.new_full((b, width - 1), -1)
-            seq_in = torch.cat([front, seq] + ([next_seq] if behind is not None else []), dim=-1)
-        dxp = torch.zeros(b, d, width - 1 + span, dtype=torch.float32, device=x.device)
-        for k in range(width):   # tap k's input gets weight[:, k] · d pre where it was read, in tap order
-            contrib = w32[:, k, None] * ext
-            if seq_in is not None:
-                contrib = torch.where((seq_in[:, k:k + span] == seq_in[:, width - 1:])[:, None], contrib, 0.0)
-            dxp[..., k:k + span] += contrib
-        dx = dxp[..., width - 1:width - 1 + l].to(x.dtype)
+            seq_in = torch.cat([front, seq], dim=-1)
         xp = torch.cat([halo32 if halo32 is not None else x32.new_zeros(b, d, width - 1), x32], dim=-1)
 
         def tap(k):   # the inputs tap k read at this piece's outputs, zero where another sequence's
