@@ -25,6 +25,7 @@ from mambalab import aot, device
 from mambalab.determinism.atomics import atomic_sum
 from mambalab.ops import mamba3_chunk_scan, mamba3_step, selective_scan, ssd_chunk_scan, ssd_chunk_scan_forward
 from mambalab.kernels.norm import gated_norm_fwd
+from mambalab.ops.conv1d import causal_conv1d_fn
 from mambalab.ops.conv_update import causal_conv1d_update
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.mamba3 import zero_state
@@ -151,6 +152,19 @@ def _conv_update(dtype, b=2, channels=300, width=4):
         causal_conv1d_update(x, state, weight, bias, activation="silu")
 
 
+def _causal_conv1d(dtype, channel_last=True, packed=False, b=2, d=80, l=100, width=4):
+    """Forward and backward; channel-last x (mamba-ssm's layout) with the states, or contiguous x with seq_idx."""
+    x = torch.randn(b, d, l).to(dtype)
+    x = (x.transpose(1, 2).contiguous().transpose(1, 2) if channel_last else x).requires_grad_()
+    weight, bias = torch.randn(d, width).requires_grad_(), torch.randn(d).requires_grad_()
+    if packed:
+        seq_idx = torch.tensor([0] * 30 + [1] * (l - 40) + [-1] * 10, dtype=torch.int32).expand(b, l).contiguous()
+        _backward(causal_conv1d_fn(x, weight, seq_idx=seq_idx))
+    else:
+        init = torch.randn(b, d, width - 1).to(dtype).requires_grad_()
+        _backward(causal_conv1d_fn(x, weight, bias, initial_states=init, return_final_states=True, activation="silu"))
+
+
 def _gated_norm(dtype, d=96, group_size=48, gated=True):
     x, z = (torch.randn(3, d).to(dtype) for _ in range(2))
     gated_norm_fwd(x, torch.ones(d, dtype=dtype), torch.zeros(d, dtype=dtype) if not gated else None,
@@ -200,6 +214,8 @@ CASES = {
     "state_update-fp32-mamba1-indexed": lambda: _state_update(torch.float32, heads=False, index=True),
     "state_update-bf16-gpu-tiles": lambda: _state_update(torch.bfloat16, b=64, h=80, p=64, n=128),
     "conv_update-bf16": lambda: _conv_update(torch.bfloat16),
+    "causal_conv1d_fn-bf16-channel-last": lambda: _causal_conv1d(torch.bfloat16),
+    "causal_conv1d_fn-fp32-packed": lambda: _causal_conv1d(torch.float32, channel_last=False, packed=True),
     "gated_norm-bf16-rms-gated": lambda: _gated_norm(torch.bfloat16),
     "gated_norm-bf16-layernorm": lambda: _gated_norm(torch.bfloat16, gated=False),
     "gated_norm-bf16-gpu-tiles": lambda: _gated_norm(torch.bfloat16, d=5120, group_size=5120),
