@@ -18,12 +18,16 @@ d channels would need an all-reduce of the sums of squares.
 These are mamba-ssm's ``RMSNorm`` and ``LayerNorm`` of ``mamba_ssm.ops.triton.layernorm_gated`` (imported
 there as ``RMSNormGated``): same constructor arguments and defaults, same parameter names (``weight``; and
 ``bias`` for LayerNorm, which RMSNorm registers as None), so state dicts interchange, and the same
-functional forms :func:`rmsnorm_fn` and :func:`layernorm_fn`. The computation is plain PyTorch in fp32
-(fp64 for fp64 inputs), returned in x's dtype; on a GPU, with nothing for autograd to record (inference), one
-Triton kernel computes the same forward (:mod:`mambalab.kernels.norm`). Its backward is autograd's: the weight's gradient is one
-sum over the (rows, d) view of the input in a fixed order, with no per-program partials whose count
-depends on the GPU, so it is deterministic and the same on any GPU, and the same for any split of the
-leading dimensions into (batch, length).
+functional forms :func:`rmsnorm_fn` and :func:`layernorm_fn`.
+
+:func:`layernorm_fn` runs the Triton kernels of :mod:`mambalab.kernels.norm` for fp32, fp16 and bf16 inputs
+(on a GPU natively, on the CPU through Triton's interpreter), with an autograd function whose backward is one
+kernel: dx and dz a row at a time, the weight's and bias's gradients summed by each program over a fixed number
+of rows and the programs' partials folded by :func:`mambalab.kernels.reduce.sum_partials`. Their bits depend on
+the number of rows alone: the same on every GPU and every run, and for any split of the leading dimensions into
+(batch, length). With nothing for autograd to record, on the CPU the PyTorch form :func:`layernorm_ref` runs
+instead (faster there than the interpreter); fp64 inputs always take it. :func:`layernorm_ref` computes in fp32
+(fp64 for fp64 inputs) and is the reference the kernels are checked against.
 """
 from __future__ import annotations
 
@@ -32,17 +36,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from mambalab import device
-from mambalab.kernels.norm import gated_norm_fwd
+from mambalab.kernels.norm import gated_norm_fwd, norm_bwd, norm_fwd
+from mambalab.validate import records_autograd
 
 __all__ = ["GatedLayerNorm", "GatedRMSNorm", "LayerNormGated", "RMSNormGated", "add_norm", "layernorm_fn",
-           "rmsnorm_fn"]
+           "layernorm_ref", "rmsnorm_fn"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class GatedNormFn(torch.autograd.Function):
+    """The gated norm on the kernels with autograd; x, z (M, d) with unit stride along d, validated."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm):
+        y, _, mean, rstd = norm_fwd(x, weight, bias, z, None, eps, group_size, norm_before_gate, is_rms_norm)
+        ctx.save_for_backward(x, weight, bias, z, mean, rstd)
+        ctx.config = group_size, norm_before_gate, is_rms_norm
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, z, mean, rstd = ctx.saved_tensors
+        want_db = bias is not None and ctx.needs_input_grad[2]
+        dx, dz, _, dw, db = norm_bwd(dy if dy.stride(-1) == 1 else dy.contiguous(), None, x, z, weight, bias, mean,
+                                     rstd, *ctx.config, dx_dtype=x.dtype, want_db=want_db)
+        return (dx, dw.to(weight.dtype) if ctx.needs_input_grad[1] else None, db.to(bias.dtype) if want_db else None,
+                dz if ctx.needs_input_grad[3] else None, None, None, None, None)
 
 
 def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
     """Gated (RMS or Layer) norm of x (..., d) with weight (d,), bias (d,) or None, z (..., d) or None.
 
-    mamba-ssm's ``layernorm_fn`` (same arguments and defaults); see the module docstring for the math.
-    Returns x's shape and dtype.
+    mamba-ssm's ``layernorm_fn`` (same arguments and defaults); see the module docstring for the math and for
+    which inputs run the kernels. Returns x's shape and dtype.
     """
     d = x.shape[-1]
     group_size = d if group_size is None else int(group_size)
@@ -54,12 +81,28 @@ def layernorm_fn(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before
         raise ValueError(f"bias must have shape ({d},) or be None; got {tuple(bias.shape)}")
     if z is not None and z.shape != x.shape:
         raise ValueError(f"z must have x's shape {tuple(x.shape)}; got {tuple(z.shape)}")
-    dtype = x.dtype
-    if x.numel() and device.inference_kernels_apply(x, weight, bias, z):
-        rows = lambda t: t.reshape(-1, d) if t.stride(-1) == 1 else t.reshape(-1, d).contiguous()
+    given = [t for t in (x, weight, bias, z) if t is not None]
+    if not x.numel() or any(t.dtype not in _KERNEL_DTYPES for t in given):
+        return layernorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm)
+    rows = lambda t: t.reshape(-1, d) if t.stride(-1) == 1 else t.reshape(-1, d).contiguous()   # (M, d)
+    if device.inference_kernels_apply(x, weight, bias, z):
         out = gated_norm_fwd(rows(x), weight, bias, None if z is None else rows(z), eps, group_size,
                              norm_before_gate, is_rms_norm)
         return out.reshape(x.shape)
+    if not records_autograd(*given) and not x.is_cuda:   # inference on the CPU: PyTorch beats the interpreter
+        return layernorm_ref(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm)
+    device.ensure_kernel_device(x.device)
+    out = GatedNormFn.apply(rows(x), weight, bias, None if z is None else rows(z), float(eps), group_size,
+                            bool(norm_before_gate), bool(is_rms_norm))
+    return out.reshape(x.shape)
+
+
+def layernorm_ref(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
+    """:func:`layernorm_fn` in PyTorch, in fp32 (fp64 for fp64 inputs), returned in x's dtype; the reference
+    the kernels are checked against, and the form fp64 inputs take. Arguments as :func:`layernorm_fn`."""
+    d = x.shape[-1]
+    group_size = d if group_size is None else int(group_size)
+    dtype = x.dtype
     compute = torch.promote_types(dtype, torch.float32)          # fp32, or fp64 for fp64 inputs
     # One (rows, d) view whatever the leading shape: the weight's gradient then sums over one axis of a
     # fixed length, the same for (b, l) = (2, 8) as for (4, 4).

@@ -21,11 +21,14 @@ Backward, per row in fp32, with ŝ recomputed from the stored s (as mamba-ssm's 
     dx = ds in x's dtype,   dresidual = ds in residual's dtype
     dw = Σ_rows dy ⊙ ŝ,     db = Σ_rows dy
 
-Every sum (μ, the variance, c₁, c₂ over the N channels; dw, db over the M rows) is
-:func:`mambalab.kernels.reduce.sum_partials`, whose order of adds is fixed by the shape alone; everything else
-is element-wise PyTorch. Nothing reads the GPU's SM count, so the forward and every gradient give the same
-bits on every GPU model and every run. mamba-ssm's backward instead sums dw and db over ``sm_count``
-per-program partials (``_layer_norm_bwd``), so its weight gradients differ between GPU models.
+The forward and the backward are one Triton kernel each (:mod:`mambalab.kernels.norm`, the gated norm's kernels
+with one group and no gate): each reads its inputs once and writes its outputs once. The sums over a row's N
+channels (μ, the variance, c₁, c₂) are within one program; dw and db are summed by each backward program over
+its ROWS_PER_PROGRAM rows (64) in row order, and the programs' partials are folded by
+:func:`mambalab.kernels.reduce.sum_partials`, whose order of adds is fixed by the number of programs alone.
+Nothing reads the GPU's SM count, so the forward and every gradient give the same bits on every GPU model and
+every run. mamba-ssm's backward instead sums dw and db over ``sm_count`` per-program partials
+(``_layer_norm_bwd``), so its weight gradients differ between GPU models.
 
 Shapes and dtypes:
     x          (..., N)   fp32 / fp16 / bf16
@@ -48,7 +51,7 @@ import torch
 
 from mambalab import device as _device
 from mambalab import validate
-from mambalab.kernels.reduce import sum_partials
+from mambalab.kernels.norm import norm_bwd, norm_fwd
 
 __all__ = ["layer_norm_fn", "rms_norm_fn"]
 
@@ -57,66 +60,36 @@ _UNSUPPORTED_WHY = ("mambalab's deterministic layer norm does not implement it (
                     "return_dropout_mask)")
 
 
-def _row_sums(t: torch.Tensor) -> torch.Tensor:
-    """Σ_j t[i, j] over the N columns of t (M, N) fp32, (M,), in sum_partials' order (fixed by N)."""
-    return sum_partials(t.t(), dim=0)   # (N, M): N partials of M numbers each
-
-
-def _column_sums(t: torch.Tensor) -> torch.Tensor:
-    """Σ_i t[i, j] over the M rows of t (M, N) fp32, (N,), in sum_partials' order (fixed by M)."""
-    return sum_partials(t, dim=0)
-
-
 class LayerNormFn(torch.autograd.Function):
-    """The fused add and norm with autograd, in fp32; inputs arrive validated and flattened to (M, N)."""
+    """The fused add and norm with autograd on the norm kernels; inputs arrive validated and flattened to
+    (M, N), unit stride along N."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, residual, eps, prenorm, residual_in_fp32, is_rms_norm):
-        M, N = x.shape
-        s32 = x.float() if residual is None else x.float() + residual.float()       # (M, N) fp32
+        N = x.shape[1]
         stream_dtype = residual.dtype if residual is not None else (torch.float32 if residual_in_fp32 else x.dtype)
-        s = x if residual is None and stream_dtype == x.dtype else s32.to(stream_dtype)
-        if is_rms_norm:
-            mean, centred = None, s32
-        else:
-            mean = _row_sums(s32) / N                                              # (M,)
-            centred = s32 - mean[:, None]
-        rstd = 1.0 / torch.sqrt(_row_sums(centred * centred) / N + eps)              # (M,)
-        y = centred * rstd[:, None] * weight.float()
-        if bias is not None:
-            y = y + bias.float()
+        store_s = residual is not None or stream_dtype != x.dtype        # else s is x itself
+        y, s, mean, rstd = norm_fwd(x, weight, bias, None, residual, eps, N, True, is_rms_norm,
+                                    stream_dtype=stream_dtype if store_s else None)
+        s = s if store_s else x
         ctx.save_for_backward(s, weight, bias, mean, rstd)
-        ctx.x_dtype, ctx.has_residual, ctx.prenorm = x.dtype, residual is not None, prenorm
-        y = y.to(x.dtype)
+        ctx.x_dtype, ctx.has_residual = x.dtype, residual is not None
+        ctx.prenorm, ctx.is_rms_norm = prenorm, is_rms_norm
         return (y, s) if prenorm else y
 
     @staticmethod
     def backward(ctx, dy, *rest):
         s, weight, bias, mean, rstd = ctx.saved_tensors
-        M, N = s.shape
-        s32 = s.float()
-        shat = (s32 if mean is None else s32 - mean[:, None]) * rstd[:, None]      # (M, N)
-        dy = dy.float()
-        g = weight.float() * dy
-        if mean is None:
-            c1 = _row_sums(shat * g) / N
-            ds = (g - shat * c1[:, None]) * rstd[:, None]
-        else:
-            c1, c2 = (_row_sums(torch.cat([shat * g, g])) / N).split(M)          # one pass for both sums
-            ds = (g - (shat * c1[:, None] + c2[:, None])) * rstd[:, None]
-        if ctx.prenorm:
-            ds = ds + rest[0].float()
-        dx = ds.to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
-        dresidual = ds.to(s.dtype) if ctx.has_residual and ctx.needs_input_grad[3] else None
-        dweight = dbias = None
+        rows = lambda t: t if t is None or t.stride(-1) == 1 else t.contiguous()
+        ds = rows(rest[0]) if ctx.prenorm else None
+        want_dres = ctx.has_residual and ctx.needs_input_grad[3]
         want_db = bias is not None and ctx.needs_input_grad[2]
-        if ctx.needs_input_grad[1] and want_db:
-            sums = _column_sums(torch.cat([dy * shat, dy], dim=1))                 # (2N,): dw then db
-            dweight, dbias = sums[:N].to(weight.dtype), sums[N:].to(bias.dtype)
-        elif ctx.needs_input_grad[1]:
-            dweight = _column_sums(dy * shat).to(weight.dtype)
-        elif want_db:
-            dbias = _column_sums(dy).to(bias.dtype)
+        dx, _, dresidual, dweight, dbias = norm_bwd(
+            rows(dy), ds, s, None, weight, bias, mean, rstd, s.shape[1], True, ctx.is_rms_norm,
+            dx_dtype=ctx.x_dtype, dres_dtype=s.dtype if want_dres else None, want_db=want_db)
+        dx = dx if ctx.needs_input_grad[0] else None
+        dweight = dweight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        dbias = dbias.to(bias.dtype) if want_db else None
         return dx, dweight, dbias, dresidual, None, None, None, None
 
 
@@ -173,7 +146,8 @@ def layer_norm_fn(x, weight, bias, residual=None, x1=None, weight1=None, bias1=N
     """
     _check(x, weight, bias, residual, x1, weight1, bias1, eps, dropout_p, rowscale, return_dropout_mask)
     shape, N = x.shape, x.shape[-1]
-    out = LayerNormFn.apply(x.reshape(-1, N), weight, bias, None if residual is None else residual.reshape(-1, N),
+    rows = lambda t: t.reshape(-1, N) if t.stride(-1) == 1 else t.reshape(-1, N).contiguous()   # (M, N)
+    out = LayerNormFn.apply(rows(x), weight, bias, None if residual is None else rows(residual),
                             float(eps), bool(prenorm), bool(residual_in_fp32), bool(is_rms_norm))
     if prenorm:
         return out[0].reshape(shape), out[1].reshape(shape)
