@@ -171,6 +171,21 @@ def _gated_norm(dtype, d=96, group_size=48, gated=True):
                    z if gated else None, 1e-5, group_size, False, gated)
 
 
+def _norm_train(dtype, d=96, group_size=48, norm_before_gate=True):
+    """The gated RMS norm's training kernels (forward with statistics, backward, the dw fold), 70 rows."""
+    from mambalab.modules.norm import layernorm_fn
+    x, z, w = (torch.randn(*s).to(dtype).requires_grad_() for s in ((70, d), (70, d), (d,)))
+    _backward(layernorm_fn(x, w, None, z=z, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate,
+                           is_rms_norm=True))
+
+
+def _layer_norm(dtype, n=96):
+    """layer_norm_fn's options on: LayerNorm, bias, an fp32 residual stream, prenorm (ds, dresidual, db)."""
+    from mambalab.ops import layer_norm_fn
+    x, w, b = (torch.randn(*s).to(dtype).requires_grad_() for s in ((70, n), (n,), (n,)))
+    _backward(layer_norm_fn(x, w, b, residual=torch.randn(70, n).requires_grad_(), prenorm=True))
+
+
 def _atomic_sum():
     # nothing ran, so the programs' landing order cannot be chained from the (unwritten) results
     with contextlib.suppress(RuntimeError):
@@ -219,6 +234,9 @@ CASES = {
     "gated_norm-bf16-rms-gated": lambda: _gated_norm(torch.bfloat16),
     "gated_norm-bf16-layernorm": lambda: _gated_norm(torch.bfloat16, gated=False),
     "gated_norm-bf16-gpu-tiles": lambda: _gated_norm(torch.bfloat16, d=5120, group_size=5120),
+    "norm_train-bf16-rms-gated-groups": lambda: _norm_train(torch.bfloat16),
+    "norm_train-bf16-gpu-tiles": lambda: _norm_train(torch.bfloat16, d=4096, group_size=4096, norm_before_gate=False),
+    "layer_norm_fn-bf16-residual-fp32-prenorm": lambda: _layer_norm(torch.bfloat16),
     "atomic_sum": _atomic_sum,
 }
 
