@@ -112,11 +112,12 @@ def test_cp2_loss_curve_equals_cp1(cp2, cp1):
     assert got == pytest.approx(cp1, rel=1e-5)
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
-def test_cp2_by_tp2_loss_curve_equals_cp1(tmp_path, cp1, sequence_parallel):
+def test_cp2_by_tp2_sequence_parallel_loss_curve_equals_cp1(tmp_path, cp1):
     """With sequence parallelism each TP rank holds a quarter of each sequence between the blocks, and the
-    mixers gather their CP rank's half."""
-    _ok(run(4, cp=2, tp=2, sequence_parallel=sequence_parallel, out_dir=tmp_path))
+    mixers gather their CP rank's half. TP = 2 × CP = 2 without it is the block test above (every gradient,
+    summed over CP as the trainer sums it) and tests/distributed/test_tensor_parallel.py's TP = 2 × DP = 2 run
+    (the trainer's TP layers without sequence parallelism)."""
+    _ok(run(4, cp=2, tp=2, sequence_parallel=True, out_dir=tmp_path))
     assert json.loads((tmp_path / "summary.json").read_text())["cp"] == 2
     assert losses(tmp_path) == pytest.approx(cp1, rel=1e-5)
 
