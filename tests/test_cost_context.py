@@ -21,10 +21,11 @@ TINY = LMConfig()   # d_model 32, expand 2, headdim 8, d_state 16, ngroups 4, d_
 
 def test_context_parallel_bytes_by_hand():
     # b 1, h 2, p 3, n 5: state 4·1·2·3·5 = 120 bytes;
-    # conv_dim 7, d_conv 4: halo 7·3 = 21 numbers, 42 bytes in bf16, 84 in fp32
+    # conv_dim 7, d_conv 4: halo 7·3 = 21 numbers, 42 bytes in bf16 forward; backward 21 inputs and 21 output
+    # gradients, 168 bytes in fp32
     got = context_parallel_communication(1, 2, 3, 5, 7, 4, cp=2, element_size=2)
-    assert got == {"state_bytes": 120, "halo_forward_bytes": 42, "halo_backward_bytes": 84, "forward_bytes": 162,
-                   "backward_bytes": 204}
+    assert got == {"state_bytes": 120, "halo_forward_bytes": 42, "halo_backward_bytes": 168, "forward_bytes": 162,
+                   "backward_bytes": 288}
     assert set(context_parallel_communication(1, 2, 3, 5, 7, 4, cp=1).values()) == {0}   # no cut, nothing sent
 
 
@@ -37,13 +38,14 @@ def test_sequence_split_bytes_by_hand():
     # TINY: d_model 32; T = 4, b·l = 64 tokens, bf16. Each of the all-gather and reduce-scatter moves
     # (T - 1)/T · 64·32·2 = 3072 bytes; two a pass, two passes: 12,288.
     # CP: h = 64/8 = 8 heads, p 8, n 16: state 4·8·8·16 = 4096; conv_dim 64 + 2·4·16 = 192: halo 192·3 = 576
-    # numbers, 1152 bytes forward (bf16), 2304 backward (fp32): 4096 + 1152 + 4096 + 2304 = 11,648.
+    # numbers, 1152 bytes forward (bf16); backward 576 inputs and 576 output gradients, 4608 bytes (fp32):
+    # 4096 + 1152 + 4096 + 4608 = 13,952.
     got = sequence_split_bytes(TINY, batch=1, seqlen=64, degree=4)
     assert got["sequence_parallel_bytes"] == 12_288
-    assert got["context_parallel_bytes"] == 11_648
+    assert got["context_parallel_bytes"] == 13_952
     longer = sequence_split_bytes(TINY, batch=1, seqlen=64 * 16, degree=4)
     assert longer["sequence_parallel_bytes"] == 16 * 12_288                 # O(l)
-    assert longer["context_parallel_bytes"] == 11_648                       # independent of l
+    assert longer["context_parallel_bytes"] == 13_952                       # independent of l
     assert got["context_parallel_gradient_bytes"] == 3 * layer_parameters(TINY) * 4
 
 
@@ -142,7 +144,7 @@ def test_the_conv_halo_is_the_formulas(monkeypatch):
 
     sent = _sent_by_three_ranks(monkeypatch, step)
     got = context_parallel_communication(b, 1, 1, 1, conv_dim, width, cp=3, element_size=2)
-    assert got["halo_forward_bytes"] == 2 * 6 * 3 * 2 and got["halo_backward_bytes"] == 2 * 6 * 3 * 4
+    assert got["halo_forward_bytes"] == 2 * 6 * 3 * 2 and got["halo_backward_bytes"] == 2 * 6 * (2 * 3) * 4
     assert sent == {(0, 1): got["halo_forward_bytes"], (1, 2): got["halo_forward_bytes"],
                     (2, 1): got["halo_backward_bytes"], (1, 0): got["halo_backward_bytes"]}
 

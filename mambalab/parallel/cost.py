@@ -122,15 +122,16 @@ def context_parallel_communication(batch: int, nheads: int, headdim: int, d_stat
                                    cp: int, element_size: int = 2) -> dict[str, int]:
     """Bytes one cut between two context-parallel ranks moves per Mamba-2 layer and training step (module
     docstring): ``forward_bytes`` from rank r − 1 to rank r, the SSD's final state (4·b·h·p·n) and the conv's
-    halo (b·conv_dim·(d_conv − 1)·element_size); ``backward_bytes`` from rank r to rank r − 1, their gradients,
-    both fp32. A rank with neighbours on both sides sends one of each; the first rank sends no backward, the last
+    halo (b·conv_dim·(d_conv − 1)·element_size); ``backward_bytes`` from rank r to rank r − 1, the state's
+    gradient and rank r's first d_conv − 1 conv inputs with their output gradients (2·b·conv_dim·(d_conv − 1)),
+    all fp32. A rank with neighbours on both sides sends one of each; the first rank sends no backward, the last
     no forward. Also the parts: ``state_bytes`` and the two halos. All 0 for cp = 1 (no cut)."""
     _positive(batch=batch, nheads=nheads, headdim=headdim, d_state=d_state, conv_dim=conv_dim, d_conv=d_conv, cp=cp,
               element_size=element_size)
     cut = cp > 1
     state = 4 * batch * nheads * headdim * d_state * cut
     halo_forward = batch * conv_dim * (d_conv - 1) * element_size * cut
-    halo_backward = 4 * batch * conv_dim * (d_conv - 1) * cut
+    halo_backward = 4 * 2 * batch * conv_dim * (d_conv - 1) * cut   # inputs and output gradients
     return {"state_bytes": state, "halo_forward_bytes": halo_forward, "halo_backward_bytes": halo_backward,
             "forward_bytes": state + halo_forward, "backward_bytes": state + halo_backward}
 
