@@ -8,7 +8,7 @@ bit (the kernel rounds the sum as PyTorch's add does), the norm within the norm 
 On the CPU the forward kernel runs in Triton's interpreter, in fp32, called directly (the modules take it for
 inference on a GPU only).
 
-The training kernels (norm_fwd with its saved statistics, norm_bwd) through layernorm_fn's autograd function,
+The training kernels (norm_fwd with its saved statistics, norm_bwd) through layernorm_kernels (layernorm_fn on a GPU),
 against layernorm_ref in float64: the forward and the gradients of x, z, weight and bias for RMS and LayerNorm,
 with and without bias, z in both gate orders, one group and several, fp32 and bf16, M not a multiple of
 ROWS_PER_PROGRAM. dweight and dbias: the same bits over two runs, and equal to sum_partials' fold of the
@@ -21,7 +21,7 @@ import torch
 from mambalab.kernels import norm as norm_kernels
 from mambalab.kernels.norm import ROWS_PER_PROGRAM, gated_norm_fwd, norm_bwd, norm_fwd
 from mambalab.kernels.reduce import fold_reference
-from mambalab.modules.norm import GatedLayerNorm, GatedRMSNorm, add_norm, layernorm_fn, layernorm_ref
+from mambalab.modules.norm import GatedLayerNorm, GatedRMSNorm, add_norm, layernorm_fn, layernorm_kernels, layernorm_ref
 
 from conftest import KERNEL_DEVICE, requires_gpu
 
@@ -151,6 +151,12 @@ def _forward_and_grads(fn, x, z, w, b, dy, **kw):
     return y.detach(), {name: t.grad for name, t in zip(("x", "z", "weight", "bias"), leaves) if t is not None}
 
 
+def _kernels(x, weight, bias, z=None, eps=1e-6, group_size=None, norm_before_gate=True, is_rms_norm=False):
+    """layernorm_kernels with layernorm_fn's keyword arguments (group_size None: one group)."""
+    group_size = x.shape[-1] if group_size is None else group_size
+    return layernorm_kernels(x, weight, bias, z, eps, group_size, norm_before_gate, is_rms_norm)
+
+
 TRAIN_CASES = [   # (is_rms_norm, gate: None / "after" / "before", group_size of d = 48, bias)
     (True, None, 48, False),
     (True, "after", 48, True),
@@ -165,7 +171,7 @@ TRAIN_CASES = [   # (is_rms_norm, gate: None / "after" / "before", group_size of
 @pytest.mark.parametrize("case", TRAIN_CASES,
                          ids=lambda c: f"{'rms' if c[0] else 'layer'}-z{c[1]}-g{c[2]}-b{int(c[3])}")
 def test_training_kernels_match_float64_forward_and_every_gradient(case, dtype):
-    """layernorm_fn's kernels (autograd recording: the training path, on the CPU in the interpreter) against
+    """layernorm_kernels (layernorm_fn's training path on a GPU; on the CPU here in the interpreter) against
     layernorm_ref in float64 on the same (rounded) inputs: y, dx, dz, dweight, dbias. 70 rows: one program of
     64 and one of 6 in the backward. fp32 within 1e-4 (dweight sums 70 rows); bf16 within bf16's rounding of
     the output (2⁻⁸ relative) and of the inputs' gradients."""
@@ -173,7 +179,7 @@ def test_training_kernels_match_float64_forward_and_every_gradient(case, dtype):
     assert 70 % ROWS_PER_PROGRAM
     x, z, w, b, dy = _train_inputs((7, 10), 48, dtype, gate is not None, with_bias)
     kw = dict(eps=1e-5, group_size=group_size, norm_before_gate=gate != "before", is_rms_norm=is_rms_norm)
-    y, grads = _forward_and_grads(layernorm_fn, x, z, w, b, dy, **kw)
+    y, grads = _forward_and_grads(_kernels, x, z, w, b, dy, **kw)
     double = lambda t: None if t is None else t.double()
     y64, grads64 = _forward_and_grads(layernorm_ref, *map(double, (x, z, w, b, dy)), **kw)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
@@ -239,26 +245,29 @@ def test_training_results_do_not_depend_on_how_the_rows_are_split(gate):
     first = None
     for lead in [(60,), (4, 15), (2, 5, 6)]:
         shaped = lambda t: None if t is None else t.reshape(*lead, 32)
-        y, grads = _forward_and_grads(layernorm_fn, shaped(x), shaped(z), w, b, shaped(dy), **kw)
+        y, grads = _forward_and_grads(_kernels, shaped(x), shaped(z), w, b, shaped(dy), **kw)
         got = [y.reshape(60, 32)] + [g.reshape(-1) for g in grads.values()]
         if first is None:
             first = got
         assert all(torch.equal(a, c) for a, c in zip(got, first)), lead
 
 
-def test_inference_on_the_cpu_takes_the_pytorch_form(monkeypatch):
-    """Without autograd recording, on the CPU, layernorm_fn is layernorm_ref (faster there than the
-    interpreter); with a leaf that requires grad, the kernels."""
+def test_on_the_cpu_layernorm_fn_is_the_pytorch_form(monkeypatch):
+    """On the CPU layernorm_fn is layernorm_ref, with or without autograd recording (faster there than the
+    interpreter): no kernel launches, the same bits."""
     calls = []
-    kernel = norm_kernels.norm_fwd
-    monkeypatch.setattr("mambalab.modules.norm.norm_fwd", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    for name in ("norm_fwd", "norm_bwd", "gated_norm_fwd"):
+        kernel = getattr(norm_kernels, name)
+        monkeypatch.setattr(f"mambalab.modules.norm.{name}", lambda *a, _k=kernel, **k: calls.append(1) or _k(*a, **k))
     x = torch.randn(3, 16)
     w = torch.ones(16)
     with torch.no_grad():
         assert torch.equal(layernorm_fn(x, w, None), layernorm_ref(x, w, None))
+    w = w.clone().requires_grad_()
+    y = layernorm_fn(x, w, None)
+    y.sum().backward()
+    assert torch.equal(y, layernorm_ref(x, w, None))
     assert calls == []
-    layernorm_fn(x, w.clone().requires_grad_(), None)
-    assert calls == [1]
 
 
 @pytest.mark.gpu
