@@ -405,3 +405,22 @@ def test_gpu_channel_last_upstream_sizes():
     again = grads(*run()[0])
     for name, a, c in zip(("dx", "dweight", "dbias", "dinitial_states"), grads(*ours), again):
         assert torch.equal(a, c), name
+
+
+def test_a_channel_last_slice_gives_channel_last_out_and_dx():
+    """mamba_split_conv1d_scan_combined passes xBC.transpose(1, 2), a channel-last slice of zxbcdt that is not
+    dense: out and dx come back channel-last (their transpose(1, 2) contiguous, so the SSD's x, B and C need no
+    copy) with the values of the same conv on a contiguous copy of x."""
+    gen = torch.Generator().manual_seed(3)
+    zxbcdt = torch.randn(2, 40, 3 * 16, generator=gen).to(KERNEL_DEVICE)
+    x = zxbcdt[..., 16:32].transpose(1, 2).requires_grad_()             # (b, d, l), stride(1) == 1, not dense
+    weight = torch.randn(16, 4, generator=gen).to(KERNEL_DEVICE)
+    bias = torch.randn(16, generator=gen).to(KERNEL_DEVICE)
+    out = causal_conv1d_fn(x, weight, bias, activation="silu")
+    dout = torch.randn(out.shape, generator=gen).to(KERNEL_DEVICE)
+    (dx,) = torch.autograd.grad(out, x, dout)
+    assert out.transpose(1, 2).is_contiguous()
+    x2 = x.detach().contiguous().requires_grad_()
+    out2 = causal_conv1d_fn(x2, weight, bias, activation="silu")
+    (dx2,) = torch.autograd.grad(out2, x2, dout)
+    assert torch.equal(out, out2) and torch.equal(dx, dx2)

@@ -296,6 +296,17 @@ def _strides(t, n):
     return (0,) * n if t is None else t.stride()[:n]
 
 
+def like(x: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of x's shape (b, d, l) and dtype in x's layout: x's strides when x is dense
+    (``torch.empty_like``), channel-last when x is a channel-last view that is not (mamba-ssm's
+    ``xBC.transpose(1, 2)``, a slice of zxbcdt), so that the caller's ``transpose(1, 2)`` back is contiguous;
+    contiguous otherwise."""
+    b, d, l = x.shape
+    if x.stride(1) == 1 and not x.is_contiguous() and l > 1 and d > 1:
+        return x.new_empty(b, l, d).transpose(1, 2)
+    return torch.empty_like(x)
+
+
 def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, write_final: bool, silu: bool):
     """Launch :func:`causal_conv1d_fwd_kernel` on validated tensors (module docstring).
 
@@ -303,11 +314,11 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, write_final: boo
     along l, or None; initial_states (b, d, W - 1) or None; write_final: also return the final states; silu: the
     activation.
 
-    Returns: out (b, d, l) in x's dtype and layout (``torch.empty_like``: x's strides when x is dense,
-    contiguous otherwise), and final states (b, d, W - 1) in x's dtype, or None.
+    Returns: out (b, d, l) in x's dtype and layout (:func:`like`), and final states (b, d, W - 1) in x's dtype,
+    or None.
     """
     (b, d, l), width = x.shape, weight.shape[1]
-    out = torch.empty_like(x)
+    out = like(x)
     final = x.new_empty(b, d, width - 1) if write_final else None
     if b == 0 or d == 0:
         return out, final
@@ -335,7 +346,7 @@ def causal_conv1d_bwd_partials(x, weight, bias, seq_idx, initial_states, dout, d
     position_blocks(l) + position block, columns dw[:, 0 … W - 1] and dbias.
     """
     (b, d, l), width = x.shape, weight.shape[1]
-    dx = torch.empty_like(x)
+    dx = like(x)
     dinit = None if initial_states is None else x.new_empty(b, d, width - 1)
     partials = torch.zeros(partial_count(b, l), d, width + 1, device=x.device, dtype=torch.float32)
     if b == 0 or d == 0:
