@@ -14,7 +14,8 @@
 #   ssd-tests           the GPU-only SSD tests (tests/test_ssd_*.py, test_state_sweep.py)
 #   mamba3-tests        the GPU-only Mamba-3 tests (tests/test_mamba3_*.py; against mamba-ssm's MIMO after tilelang-b)
 #   decode-tests        the GPU-only decode-kernel tests (state update, conv update, gated norm)
-#   compat-tests*       the drop-ins' GPU-only tests and upstream's test_mamba_inner_fn (needs ccd-ext earlier)
+#   compat-tests*       the drop-ins' and norms' GPU-only tests; upstream's test_mamba_inner_fn, causal-conv1d and gated-norm
+#                       tests at their sizes (needs ccd-ext earlier)
 #   tests*              all of test_selective_scan.py and test_mamba1.py, then the former's GPU-only tests again
 #   det-tests           all of the determinism tests, then benchmarks/fingerprints.py
 #   gen-tests           all of test_generate.py
@@ -99,8 +100,10 @@ for step in "$@"; do
     mamba3-tests) run_pytest -q -m gpu tests/test_mamba3_*.py ;;
     decode-tests) run_pytest -q -m gpu tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py ;;
     compat-tests) ccd_ready
-                  run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py
-                  run_pytest -q tests/upstream/test_selective_scan.py::test_mamba_inner_fn; show="passed|failed" ;;
+                  run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
+                    tests/test_norm.py tests/test_norm_kernel.py
+                  run_pytest -q tests/upstream/test_selective_scan.py::test_mamba_inner_fn tests/upstream/test_causal_conv1d.py \
+                    tests/upstream/test_layernorm_gated.py; show="passed|failed" ;;
     tests) run_pytest -q tests/test_selective_scan.py tests/test_mamba1.py
            ext_ready; run_pytest -q -m gpu tests/test_selective_scan.py ;;
     det-tests) run_pytest -q -s tests/test_determinism.py tests/test_determinism_kernels.py
