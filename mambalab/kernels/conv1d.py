@@ -303,7 +303,7 @@ def like(x: torch.Tensor) -> torch.Tensor:
     contiguous otherwise."""
     b, d, l = x.shape
     if x.stride(1) == 1 and not x.is_contiguous() and l > 1 and d > 1:
-        return x.new_empty(b, l, d).transpose(1, 2)
+        return torch.empty_strided((b, d, l), (l * d, 1, d), dtype=x.dtype, device=x.device)   # not a view
     return torch.empty_like(x)
 
 
