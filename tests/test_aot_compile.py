@@ -172,11 +172,11 @@ def _gated_norm(dtype, d=96, group_size=48, gated=True):
 
 
 def _norm_train(dtype, d=96, group_size=48, norm_before_gate=True):
-    """The gated RMS norm's training kernels (forward with statistics, backward, the dw fold), 70 rows."""
-    from mambalab.modules.norm import layernorm_fn
+    """The gated RMS norm's training kernels (forward with statistics, backward, the dw fold), 70 rows: through
+    layernorm_kernels, layernorm_fn's path on a GPU (on the CPU layernorm_fn runs the PyTorch form)."""
+    from mambalab.modules.norm import layernorm_kernels
     x, z, w = (torch.randn(*s).to(dtype).requires_grad_() for s in ((70, d), (70, d), (d,)))
-    _backward(layernorm_fn(x, w, None, z=z, eps=1e-5, group_size=group_size, norm_before_gate=norm_before_gate,
-                           is_rms_norm=True))
+    _backward(layernorm_kernels(x, w, None, z, 1e-5, group_size, norm_before_gate, True))
 
 
 def _layer_norm(dtype, n=96):
