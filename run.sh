@@ -41,7 +41,10 @@ setup() {
     else
       echo "[mambalab] no GPU: installing the CPU build of torch $TORCH_CPU_VERSION and triton $TRITON_CPU_VERSION"
       # The CPU build lives on PyTorch's own index; its dependencies come from PyPI in the second step.
-      python -m pip install -q --no-deps "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu
+      # Where that index cannot be reached, the default index's torch of that version (a machine that keeps its
+      # CPU wheel on disk serves it from there; elsewhere it is the larger CUDA build, which runs on a CPU too).
+      python -m pip install -q --no-deps "torch==$TORCH_CPU_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+        --retries 1 --timeout 15 || python -m pip install -q --no-deps "torch==$TORCH_CPU_VERSION"
       python -m pip install -q "torch==$TORCH_CPU_VERSION" "triton==$TRITON_CPU_VERSION"
     fi
   fi

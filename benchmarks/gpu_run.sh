@@ -6,6 +6,8 @@
 #             DTYPES        the SSD benchmarks' dtypes (each step's default is in the table)
 #             OUT           where each step's log ($OUT/STEP.log) and results go
 #             SKIP_EXT=1    no extension build (gpu_lanes.sh's later lanes: the first lane builds it)
+#             PACK          a folder that receives, after each step, OUT's logs and results as one results.tgz
+#                           (no .pt files) and compat's parts: the device tool's $OUT, which brings back 8 files
 #   carried:  .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #             ipykernel, nbconvert and their missing dependencies), .carry/ (mamba-ssm's sdist; causal-conv1d's for
 #             ccd-ext, transformers' wheels for compat, TileLang's for tilelang-a and -b: benchmarks/tilelang_wheels.sh)
@@ -194,6 +196,10 @@ for step in "$@"; do
     *) echo "unknown step $step" >>"$log" ;;
   esac
   if [ -n "$show" ]; then grep -E "$show" "$log" | cut -c1-300 | tail -n 40; else tail -n 6 "$log"; fi
+  if [ -n "${PACK:-}" ]; then   # what this step left, packed now: a call cut at its limit still brings it back
+    mkdir -p "$PACK"; tar czf "$PACK/results.tgz" -C "$OUT" --exclude='*.pt' --exclude='compat.tar.gz.part-*' .
+    cp "$OUT"/compat.tar.gz.part-* "$PACK"/ 2>/dev/null
+  fi
 done
 wait
 tail -3 "$OUT/ext_build.log"
