@@ -10,7 +10,8 @@
 #                           (no .pt files) and compat's parts: the device tool's $OUT, which brings back 8 files
 #   carried:  .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #             ipykernel, nbconvert and their missing dependencies), .carry/ (mamba-ssm's sdist; causal-conv1d's for
-#             ccd-ext, transformers' wheels for compat, TileLang's for tilelang-a and -b: benchmarks/tilelang_wheels.sh)
+#             ccd-ext and transformers' wheel for compat: benchmarks/carry_compat.sh; TileLang's for tilelang-a and
+#             -b: benchmarks/tilelang_wheels.sh)
 # Steps (* waits for mamba-ssm's CUDA extension; GPU-only tests are those marked gpu, see tests/test_gpu_marker.py):
 #   gpu-tests*          every GPU-only test (pytest -m gpu tests)
 #   ssd-tests           the GPU-only SSD tests (tests/test_ssd_*.py, test_state_sweep.py)
