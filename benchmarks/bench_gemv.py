@@ -1,0 +1,69 @@
+"""The batch-1 decode GEMVs of mamba2-2.7b (in_proj with the conv's step, out_proj with the gated norm) against
+cuBLAS's GEMV through F.linear (without the conv or the norm), in one process, over tile choices.
+
+Each layer's weight is a different tensor, 64 of them as in the model (3.4 GB for in_proj): timed over all 64
+back to back in one CUDA graph, so every read comes from HBM, as in a decode step, not from L2 (50 MB). The
+bandwidth column is the weights' bytes over the time.
+
+    python benchmarks/bench_gemv.py [--out build/gpu/gemv.json] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import environment, graph_ms, write
+
+from mambalab.kernels.gemv import GemvConfig, gemv_config, gemv_fwd
+
+LAYERS = 64
+SHAPES = {"in_proj+conv": (10576, 2560), "out_proj+norm": (2560, 5120)}   # (N, K) of mamba2-2.7b
+
+
+def fused_args(name, k, device):
+    if name == "in_proj+conv":
+        return dict(conv=dict(state=torch.randn(5376, 4, device=device, dtype=torch.bfloat16),
+                              weight=torch.randn(5376, 4, device=device, dtype=torch.bfloat16),
+                              bias=torch.randn(5376, device=device, dtype=torch.bfloat16), start=5120))
+    return dict(norm=dict(weight=torch.ones(k, device=device, dtype=torch.bfloat16),
+                          z=torch.randn(k, device=device, dtype=torch.bfloat16), residual=None, group_size=k,
+                          eps=1e-5, norm_before_gate=False))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="build/gpu/gemv.json")
+    parser.add_argument("--sweep", action="store_true", help="also time other tiles (block_n, block_k, warps)")
+    args = parser.parse_args()
+    device = "cuda"
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
+        x = torch.randn(k, device=device, dtype=torch.bfloat16)
+        extra = fused_args(name, k, device)
+        gbytes = LAYERS * n * k * 2 / 1e9
+        cublas = graph_ms(lambda: [torch.nn.functional.linear(x[None], w) for w in weights])
+        configs = [gemv_config(n, k)]
+        if args.sweep:
+            configs += [GemvConfig(bn, bk, nw, st) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for nw in (4, 8)
+                        for st in (1, 3) if GemvConfig(bn, bk, nw, st) != configs[0] and bn * bk <= 16384]
+        for cfg in configs:
+            ms = graph_ms(lambda: [gemv_fwd(w, x, **extra, config=cfg) for w in weights])
+            row = dict(shape=name, n=n, k=k, layers=LAYERS, block_n=cfg.block_n, block_k=cfg.block_k,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, default=cfg == configs[0], mambalab_us_per_layer=1e3 * ms / LAYERS,
+                       cublas_us_per_layer=1e3 * cublas / LAYERS, ratio=ms / cublas,
+                       mambalab_tb_s=gbytes / ms, cublas_tb_s=gbytes / cublas)
+            rows.append(row)
+            print(f"{name:14s} bn{cfg.block_n:<3d} bk{cfg.block_k:<5d} w{cfg.num_warps} s{cfg.num_stages}  "
+                  f"{row['mambalab_us_per_layer']:7.2f} us "
+                  f"({row['mambalab_tb_s']:.2f} TB/s)  cuBLAS {row['cublas_us_per_layer']:7.2f} us "
+                  f"({row['cublas_tb_s']:.2f} TB/s)  ratio {row['ratio']:.3f}", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    write(args.out, dict(environment=environment(), command="python benchmarks/bench_gemv.py"
+                         + (" --sweep" if args.sweep else ""), rows=rows))
+
+
+if __name__ == "__main__":
+    main()
