@@ -156,6 +156,11 @@ def test_fused_step_applies_at_batch_one_without_autograd_only():
         assert block._fused_step_applies(one) and not block._fused_step_applies(two)
         assert not fused_block(torch.bfloat16)._fused_step_applies(one)          # weights of another dtype
     assert not block._fused_step_applies(one)                                   # autograd would record it
+    from mambalab.parallel.layout import single_process_layout
+    from mambalab.parallel.mamba2 import TensorParallelMamba2
+    sharded = TensorParallelMamba2(64, single_process_layout(), d_state=16, headdim=16, ngroups=2)
+    with torch.no_grad():                       # its projections all-reduce across ranks: never fused
+        assert not sharded.to(KERNEL_DEVICE)._fused_step_applies(one)
 
 
 def test_bad_input_is_named():

@@ -434,9 +434,11 @@ class Mamba2(nn.Module):
             dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit, A_is_log=True)
 
     def _fused_step_applies(self, hidden_states: torch.Tensor) -> bool:
-        """Batch 1, the gated RMS norm without a bias, no MLP channels, one dtype: :meth:`_fused_step`'s case."""
+        """Batch 1, the gated RMS norm without a bias, no MLP channels, one dtype, plain ``nn.Linear``
+        projections (a tensor-parallel block's all-reduce them): :meth:`_fused_step`'s case."""
         weights = (self.in_proj.weight, self.out_proj.weight, self.conv1d.weight)
-        return (hidden_states.shape[0] == 1 and self.rmsnorm and self.norm.bias is None and self.d_mlp == 0
+        plain = type(self.in_proj) is nn.Linear and type(self.out_proj) is nn.Linear
+        return (hidden_states.shape[0] == 1 and plain and self.rmsnorm and self.norm.bias is None and self.d_mlp == 0
                 and all(w.dtype == hidden_states.dtype for w in weights)
                 and not validate.records_autograd(*self.parameters()))
 
