@@ -5,8 +5,10 @@ that starts and ends inside the kernel's row blocks; Mamba-2's fused batch-1 ste
 against the whole-sequence forward; bad input named before any launch. On a GPU also: mamba2-2.7b's shapes in
 bf16, and Mamba2.step taking the fused path.
 
-On the CPU the kernel runs in Triton's interpreter, in fp32 (the reference's roundings to bf16 happen there in
-fp32 too, so the bf16 cases compare at bf16's tolerance)."""
+On the CPU the kernel runs in Triton's interpreter, in fp32: its inner roundings to bf16 (the norm's output, the
+conv's new input) do not happen there while the reference's do, so the bf16 cases compare at bf16's tolerance;
+a language model's decode takes the fused path on the CPU only with the GPU test of
+:func:`mambalab.device.inference_kernels_apply` lifted."""
 import pytest
 import torch
 
@@ -147,6 +149,34 @@ def test_fused_step_with_the_pre_norm_matches_add_norm_then_the_step(dtype):
             out2, *_ = block.step(normed, conv2, ssm2)
             torch.testing.assert_close(s, s2, atol=0, rtol=0)
             torch.testing.assert_close(out, out2, **TOL[dtype])
+
+
+def test_language_model_decode_through_the_fused_blocks_gives_the_forward(monkeypatch):
+    """MambaLM past its prompt at batch 1, with the inference kernels let onto the CPU: every block takes
+    add_norm_step's fused path (the residual add and the block's norm in in_proj's GEMV), and the (h, update)
+    pairs it hands on give the whole-sequence forward's logits."""
+    from mambalab import device
+    from mambalab.inference import InferenceParams
+    from mambalab.modules.lm import LMConfig, MambaLM
+
+    torch.manual_seed(0)
+    model = MambaLM(LMConfig(vocab_size=64, d_model=64, n_layer=2, headdim=16, ngroups=2)).to(KERNEL_DEVICE)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    calls = []
+    fused_step = Mamba2._fused_step
+    monkeypatch.setattr(Mamba2, "_fused_step", lambda self, *a, **k: calls.append(k) or fused_step(self, *a, **k))
+    with torch.no_grad():
+        whole = model(ids)
+        params = InferenceParams(max_seqlen=5, max_batch_size=1)
+        stepped = [model(ids[:, :2], inference_params=params)]
+        monkeypatch.setattr(device, "inference_kernels_apply",
+                            lambda x, *others: x.dtype != torch.float64 and not device.records_autograd(x, *others))
+        for t in range(2, 5):
+            params.seqlen_offset = t
+            stepped.append(model(ids[:, t:t + 1], inference_params=params))
+    assert len(calls) == 3 * 2 and all(k["norm"] is not None for k in calls)
+    assert [k["update"] is None for k in calls] == [True, False] * 3       # block 0 reads the embedding alone
+    torch.testing.assert_close(torch.cat(stepped, dim=1), whole, atol=1e-4, rtol=1e-4)
 
 
 def test_fused_step_applies_at_batch_one_without_autograd_only():

@@ -1,17 +1,20 @@
 """A batch-1 decode step's linear layers as one Triton kernel each, with the small steps around them fused in:
-the gated RMS norm before Mamba-2's out_proj, the causal conv's step after its in_proj.
+the gated RMS norm before Mamba-2's out_proj; the causal conv's step after its in_proj (and, in a language
+model, the residual add and the block's RMS norm before it).
 
-At batch 1 a linear layer is a matrix-vector product (GEMV) whose cost is reading the weight once; the norm
-and the conv step between the two GEMVs of a layer are tiny kernels whose launches and ramp-up, not bytes,
-are their cost. Fused, a Mamba-2 layer's decode step is three kernels: in_proj with the conv, the state
-update (:mod:`mambalab.kernels.state_update`), out_proj with the norm.
+At batch 1 a linear layer is a matrix-vector product (GEMV) that reads each weight once and does two flops
+with it; the norm and the conv step between a layer's two GEMVs touch a few thousand values each, so as
+kernels of their own they add launches, not bytes (the unfused step of mamba2-2.7b on an H100: 7 kernels a
+layer, the small ones 0.71 ms of 3.07; benchmarks/results/2026-12-06_h100_profile_decode_mamba2_2.7b.json).
+Fused, a Mamba-2 layer's decode step is three kernels (:meth:`mambalab.modules.Mamba2._fused_step`): in_proj
+with the conv, the state update (:mod:`mambalab.kernels.state_update`), out_proj with the norm.
 
 Math (one input row v of K channels; W (N, K); fp32 sums):
 
     out[n] = Σ_k W[n, k] v[k] + bias[n]
 
     NORM (the prologue, as :mod:`mambalab.kernels.norm`'s forward, RMS only), per group of ``group_size``:
-        s = x + r                       with a residual r (stored once, in the stream's dtype, by program 0)
+        s = x + r                       with a residual r (rounded to x's dtype and stored by program 0)
         u = s ⊙ silu(z)                 with a gate z and not norm_before_gate, else u = s
         σ⁻¹ = 1 / sqrt(Σ_j u_j² / group_size + eps)
         v = u σ⁻¹ ⊙ w,  then ⊙ silu(z) if norm_before_gate;  v rounded to x's dtype, as the unfused norm's
@@ -20,18 +23,22 @@ Math (one input row v of K channels; W (N, K); fp32 sums):
     c = n - conv_start in [0, channels): out[n] rounded to out's dtype enters the channel's window
         window[c] ← (window[c, 1:], out[n]),   out[n] = silu(conv_bias[c] + Σ_k conv_w[c, k] window[c, k])
 
-Every program computes the norm's statistics itself, over the whole row (K values of x, r and z from L2: a
-few microseconds of work spread over the GPU, where a kernel of its own costs a launch and a pass).
+Every program computes the norm's statistics itself, over the whole row: it reads the row's K values of x (and
+r and z) once for Σ u² and again, tile by tile, for v, where a norm kernel of its own would cost a launch and
+a pass over the row. (No GPU timing of this kernel against the unfused layer is recorded.)
 
 Order of the sums, fixed by the shape alone: each output row is summed over BLOCK_K tiles in k order, each
-tile's products reduced by tl.sum over a [BLOCK_N, BLOCK_K] tile of ``num_warps`` warps; the norm's Σ u² over
-tiles of min(STATS_BLOCK, K) in k order. The tiles are set by :func:`gemv_config` from (N, K) only, never from
-the GPU, so the bits are the same on every GPU and every run.
+tile's products reduced by ``tl.reduce`` with Triton's sum over a [BLOCK_N, BLOCK_K] tile of ``num_warps``
+warps; the norm's Σ u² over tiles of BLOCK_S = min(STATS_BLOCK, next_pow2(K)) in k order. The tiles are set
+by :func:`gemv_config` from (N, K) only, never from the GPU, so the bits are the same on every GPU and every
+run.
 
 Shapes: W (N, K) with unit stride along K (an ``nn.Linear`` weight); x, z, r (K,); bias (N,); norm weight
 (K,); conv_state (channels, width), updated in place; conv weight (channels, width); conv bias (channels,).
 Out: (N,) in x's dtype. On a GPU the kernel reads and writes the tensors' own dtypes; on the CPU the launcher
-in :mod:`mambalab.ops.decode_linear` feeds it fp32 (:func:`mambalab.device.compute_dtype`).
+in :mod:`mambalab.ops.decode_linear` feeds it fp32 (:func:`mambalab.device.compute_dtype`), so there the
+roundings above to a bf16 or fp16 x's dtype do not happen inside the kernel: only out, s and the window are
+rounded, once, when the launcher casts them back.
 """
 from __future__ import annotations
 
@@ -52,9 +59,10 @@ class GemvConfig:
 
 
 def gemv_config(n: int, k: int) -> GemvConfig:
-    """The tile rule, from the shape only: 8 rows a program (N / 8 programs: 1,322 for mamba2-2.7b's in_proj,
-    320 for its out_proj), k tiles of 1,024 (K rounded up to a power of two when smaller), 8 warps (32 weights a
-    thread a tile: four 16-byte loads of bf16 in flight a thread)."""
+    """The tile rule, from the shape only: 8 rows a program (ceil(N / 8) programs: 1,322 for mamba2-2.7b's
+    in_proj, N = 10,576, and 320 for its out_proj, N = 2,560), k tiles of 1,024 (K rounded up to a power of two
+    when smaller: in_proj's K = 2,560 is three tiles, the last half masked; out_proj's K = 5,120 five), 8 warps
+    (8 × 1,024 weights over 256 threads: 32 weights, 64 bytes of bf16, a thread a tile)."""
     return GemvConfig(block_n=8, block_k=min(1024, triton.next_power_of_2(k)), num_warps=8)
 
 
@@ -94,7 +102,7 @@ def gemv_kernel(
             cols = k0 + tl.arange(0, BLOCK_S)
             u = _norm_input(x_ptr, res_ptr, s_ptr, z_ptr, cols, cols < K, False,
                             HAS_RESIDUAL, HAS_Z, NORM_BEFORE_GATE)
-            mine = (cols // group_size)[None, :] == groups[:, None]           # (GROUPS, BLOCK_K)
+            mine = (cols // group_size)[None, :] == groups[:, None]           # (GROUPS, BLOCK_S)
             sum_sq += tl.reduce(tl.where(mine, (u * u)[None, :], 0.0), 1, _sum_combine)
         rstd = 1.0 / tl.sqrt(sum_sq / group_size + eps)                       # (GROUPS,)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)

@@ -385,6 +385,12 @@ class Mamba2(nn.Module):
 
         mamba-ssm's ``Mamba2.step``. The states are updated in place (and returned). Running ``step`` over a
         sequence from zeroed states gives the same outputs as :meth:`forward` on the whole sequence.
+
+        Three paths, one math: at batch 1 on a GPU with ``scan="kernel"`` where :meth:`_fused_step_applies`,
+        :meth:`_fused_step`'s three kernels; else, on a GPU without autograd and with ``scan="kernel"``, in_proj,
+        the conv's step, the state update (:meth:`_state_update`), the gated norm and out_proj one after the
+        other; else (the CPU, float64, autograd, ``scan="reference"``) the same steps with
+        :func:`~mambalab.ref.ssd.ssd_step` for the state's, in fp32 (fp64 for a fp64 block).
         """
         validate.one_token("hidden_states", hidden_states, self.d_model)
         dtype = hidden_states.dtype
@@ -434,8 +440,10 @@ class Mamba2(nn.Module):
             dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit, A_is_log=True)
 
     def _fused_step_applies(self, hidden_states: torch.Tensor) -> bool:
-        """Batch 1, the gated RMS norm without a bias, no MLP channels, one dtype, plain ``nn.Linear``
-        projections (a tensor-parallel block's all-reduce them): :meth:`_fused_step`'s case."""
+        """Batch 1, the gated RMS norm without a bias, no MLP channels, the projections' and the conv's weights
+        in hidden_states' dtype, plain ``nn.Linear`` projections (a tensor-parallel block's all-reduce them), and
+        no parameter that autograd would record: :meth:`_fused_step`'s case. (:meth:`step` also asks for a GPU
+        and ``scan="kernel"``.)"""
         weights = (self.in_proj.weight, self.out_proj.weight, self.conv1d.weight)
         plain = type(self.in_proj) is nn.Linear and type(self.out_proj) is nn.Linear
         return (hidden_states.shape[0] == 1 and plain and self.rmsnorm and self.norm.bias is None and self.d_mlp == 0

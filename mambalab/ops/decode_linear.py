@@ -1,6 +1,7 @@
 """A batch-1 decode step's linear layer, with the gated RMS norm before it or the causal conv's step after it
-fused in: :func:`decode_linear`. Mamba-2's decode step at batch 1 runs its in_proj (with the conv) and its
-out_proj (with the norm) through it (:meth:`mambalab.modules.Mamba2.step`).
+fused in: :func:`decode_linear`. Mamba-2's decode step at batch 1 on a GPU, without autograd, runs its in_proj
+(with the conv) and its out_proj (with the norm) through it (:meth:`mambalab.modules.Mamba2.step`, where
+:meth:`~mambalab.modules.Mamba2._fused_step_applies`).
 
 Checks the shapes, then runs :mod:`mambalab.kernels.gemv` (one Triton kernel; on a CPU in Triton's
 interpreter, in fp32). Reference: :func:`mambalab.ref.decode_linear.decode_linear_ref`.
@@ -21,7 +22,8 @@ def decode_linear(x, weight, bias=None, *, norm_weight=None, z=None, residual=No
     x (1, K); weight (N, K); bias (N,) or None.
     With ``norm_weight`` (K,): v = rmsnorm(x [+ residual], in groups of ``group_size`` (None: one group),
     gated by silu(z) after the norm (``norm_before_gate``, mamba-ssm's default) or before it) ⊙ norm_weight,
-    rounded to x's dtype; z and residual (1, K) or None. Else v = x.
+    rounded to x's dtype on a GPU (on the CPU the kernel runs in fp32 and rounds only what it returns); z and
+    residual (1, K) or None. Else v = x (``group_size`` and ``eps`` are then unused).
     With ``conv_state`` (channels, width): the outputs ``conv_start`` to ``conv_start + channels`` enter the
     causal conv's windows (updated in place) and leave as silu(conv_bias + Σ_k conv_weight[:, k] window[:, k]);
     conv_weight (channels, width), conv_bias (channels,) or None.
