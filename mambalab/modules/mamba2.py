@@ -396,7 +396,7 @@ class Mamba2(nn.Module):
         dtype = hidden_states.dtype
         kernels = self.scan == "kernel" and device.inference_kernels_apply(hidden_states,
                                                                             *self.parameters(recurse=False))
-        if kernels and self._fused_step_applies(hidden_states):
+        if kernels and self._fused_step_applies(hidden_states) and conv_state.shape[0] == 1:
             return self._fused_step(hidden_states, conv_state, ssm_state)
 
         z0, x0, z, xBC, dt = self.in_proj(hidden_states[:, 0]).split(self.split_sizes(), dim=-1)  # (b, ·) each
