@@ -97,7 +97,8 @@ def measure_cache_bytes(config: LMConfig, seqlens: Sequence[int], batch: int = 1
 
     Mamba-2: ``allocate_inference_cache(batch, max_seqlen=L)`` of a Mamba-2 layer of ``config``, once per layer
     (every layer's tuple has the same shapes, so one layer's weights stand for all of them). Transformer: one
-    (2, n_layer, b, L, d_model) tensor in ``dtype``. On a CUDA ``device`` each is measured as
+    (2, kv_layers, b, L, kv_width) tensor in ``dtype`` (kv_layers defaults to ``config.n_layer``, kv_width to
+    ``config.d_model``: multi-head attention). On a CUDA ``device`` each is measured as
     ``torch.cuda.max_memory_allocated`` minus what was allocated before (the caching allocator rounds up to
     its blocks, 512 bytes at least); elsewhere as the allocated tensors' bytes (numel · element size).
 
