@@ -40,6 +40,25 @@ def sweep_configs():
     return [GemvConfig(bn, bk, 4 if bn * bk < 8192 else 8, st) for bn, bk in pairs for st in (1, 3)]
 
 
+def time_row(name, n, k, weights, x, extra, cfg, cublas, fused=True):
+    """One tile choice over the 64 layers' weights as a results row (an error row where it fails)."""
+    label = "fused" if fused else "GEMV alone"
+    try:
+        ms = graph_ms(lambda: [gemv_fwd(w, x, **extra, config=cfg) for w in weights])
+    except Exception as error:   # a tile that does not compile or fit: recorded, the sweep goes on
+        print(f"{name:18s} {cfg}: {type(error).__name__}: {error}"[:300], flush=True)
+        return dict(shape=name, config=cfg.__dict__, error=f"{type(error).__name__}: {error}"[:300])
+    gbytes = LAYERS * n * k * 2 / 1e9
+    row = dict(shape=name, what=label, n=n, k=k, layers=LAYERS, block_n=cfg.block_n, block_k=cfg.block_k,
+               num_warps=cfg.num_warps, num_stages=cfg.num_stages, default=cfg == gemv_config(n, k),
+               mambalab_us_per_layer=1e3 * ms / LAYERS, cublas_us_per_layer=1e3 * cublas / LAYERS,
+               ratio=ms / cublas, mambalab_tb_s=gbytes / ms, cublas_tb_s=gbytes / cublas)
+    print(f"{name:18s} {label:10s} bn{cfg.block_n:<3d} bk{cfg.block_k:<5d} w{cfg.num_warps} s{cfg.num_stages}  "
+          f"{row['mambalab_us_per_layer']:7.2f} us ({row['mambalab_tb_s']:.2f} TB/s)  cuBLAS "
+          f"{row['cublas_us_per_layer']:7.2f} us ({row['cublas_tb_s']:.2f} TB/s)  ratio {row['ratio']:.3f}", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/gpu/gemv.json")
@@ -50,28 +69,12 @@ def main() -> None:
     for name, (n, k) in SHAPES.items():
         weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5 for _ in range(LAYERS)]
         x = torch.randn(k, device=device, dtype=torch.bfloat16)
-        extra = fused_args(name, k, device)
-        gbytes = LAYERS * n * k * 2 / 1e9
         cublas = graph_ms(lambda: [torch.nn.functional.linear(x[None], w) for w in weights])
-        configs = [gemv_config(n, k)]
-        if args.sweep:
-            configs += [c for c in sweep_configs() if c != configs[0]]
-        for cfg in configs:
-            try:
-                ms = graph_ms(lambda: [gemv_fwd(w, x, **extra, config=cfg) for w in weights])
-            except Exception as error:   # a tile that does not compile or fit: recorded, the sweep goes on
-                rows.append(dict(shape=name, config=cfg.__dict__, error=f"{type(error).__name__}: {error}"[:300]))
-                print(f"{name:18s} {cfg}: {rows[-1]['error']}", flush=True)
-                continue
-            row = dict(shape=name, n=n, k=k, layers=LAYERS, block_n=cfg.block_n, block_k=cfg.block_k,
-                       num_warps=cfg.num_warps, num_stages=cfg.num_stages, default=cfg == configs[0], mambalab_us_per_layer=1e3 * ms / LAYERS,
-                       cublas_us_per_layer=1e3 * cublas / LAYERS, ratio=ms / cublas,
-                       mambalab_tb_s=gbytes / ms, cublas_tb_s=gbytes / cublas)
-            rows.append(row)
-            print(f"{name:18s} bn{cfg.block_n:<3d} bk{cfg.block_k:<5d} w{cfg.num_warps} s{cfg.num_stages}  "
-                  f"{row['mambalab_us_per_layer']:7.2f} us "
-                  f"({row['mambalab_tb_s']:.2f} TB/s)  cuBLAS {row['cublas_us_per_layer']:7.2f} us "
-                  f"({row['cublas_tb_s']:.2f} TB/s)  ratio {row['ratio']:.3f}", flush=True)
+        default = gemv_config(n, k)
+        # the default tiles without the fused steps: what the norm and the conv add to the GEMV
+        rows.append(time_row(name, n, k, weights, x, {}, default, cublas, fused=False))
+        configs = [default] + ([c for c in sweep_configs() if c != default] if args.sweep else [])
+        rows += [time_row(name, n, k, weights, x, fused_args(name, k, device), cfg, cublas) for cfg in configs]
         del weights
         torch.cuda.empty_cache()
     write(args.out, dict(environment=environment(), command="python benchmarks/bench_gemv.py"

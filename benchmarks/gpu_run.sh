@@ -104,7 +104,7 @@ for step in "$@"; do
     mamba3-tests) run_pytest -q -m gpu tests/test_mamba3_*.py ;;
     decode-tests) run_pytest -q -m gpu tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py \
                     tests/test_decode_linear.py ;;
-    gemv-bench) within python3 benchmarks/bench_gemv.py --sweep --out "$OUT/gemv.json" >>"$log" 2>&1; show=ratio ;;
+    gemv-bench) within python3 benchmarks/bench_gemv.py --sweep --out "$OUT/gemv.json" >>"$log" 2>&1; show="ratio|rror" ;;
     compat-tests) ccd_ready
                   run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
                     tests/test_norm.py tests/test_norm_kernel.py
