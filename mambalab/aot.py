@@ -134,7 +134,8 @@ def record_launches(fn: Callable, *args, **kwargs) -> list[Launch]:
     gpu = torch.device("cuda")
     patches = [(InterpretedFunction, "run", run),
                (device, "compute_dtype", lambda dtype, _dev, rule=device.compute_dtype: rule(dtype, gpu)),
-               (device, "dot_precision", lambda dtype, _dev, rule=device.dot_precision: rule(dtype, gpu))]
+               (device, "dot_precision", lambda dtype, _dev, rule=device.dot_precision: rule(dtype, gpu)),
+               (device, "interpreted", lambda _dev: False)]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
         for owner, name, value in patches:

@@ -12,7 +12,7 @@ What the interpreter does differently (measured with triton 3.6):
 * ``@triton.jit`` functions must live in files (not notebook cells);
 * ``triton.runtime.driver.active.get_active_torch_device()`` fails without a GPU.
 
-Kernels never ask "am I on a CPU?" themselves: they call :func:`compute_dtype` and
+Kernels never ask "am I on a CPU?" themselves: they call :func:`compute_dtype`, :func:`interpreted` and
 :func:`interpreter_active` from here.
 """
 from __future__ import annotations
@@ -32,6 +32,7 @@ __all__ = [
     "device_info",
     "gpu_available",
     "interpreter_active",
+    "interpreted",
     "ensure_kernel_device",
     "inference_kernels_apply",
 ]
@@ -121,6 +122,14 @@ def compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return dtype
     return torch.float32
+
+
+def interpreted(device: torch.device) -> bool:
+    """Whether a kernel launched on ``device`` runs in Triton's interpreter (a CPU tensor). A launcher may then
+    take larger tiles where the tile changes only how many programs the interpreter walks one after another,
+    never the order of a sum (so never a result's bits): the interpreter's cost is per program and per
+    operation, not per element. :func:`mambalab.aot.record_launches` answers False, as a GPU would."""
+    return device.type == "cpu"
 
 
 def dot_precision(dtype: torch.dtype, device: torch.device) -> str:

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from mambalab import oracle
+from mambalab import device, oracle
 from mambalab.kernels import selective_scan as kernels
 from mambalab.ops import selective_scan
 from mambalab.ref.selective_scan import selective_scan_ref as our_ref
@@ -144,6 +144,23 @@ def test_tile_rule():
         assert cfg.block_l % cfg.bwd_block_l == 0
     with pytest.raises(ValueError, match="multiple of bwd_block_l"):
         kernels.TileConfig(1, 16, 48, 1, 1, 32, 1)
+
+
+@pytest.mark.skipif(not device.interpreter_active(), reason="the interpreter's forward tile: a CPU rule")
+def test_interpreter_forward_tile_gives_the_gpu_rules_bits():
+    """On the CPU the forward runs INTERPRETER_BLOCK_D channels a program; with the GPU's rule (one channel a
+    program) the output, the last state and every saved checkpoint are the same bits: each channel's scan is its
+    own. Two groups of 12 channels (4 a program)."""
+    inp = make_inputs(2, 24, 8, 40, g=2)
+    B, C = inp["B"].contiguous(), inp["C"].contiguous()
+    args = (inp["u"], inp["delta"], inp["A"], B, C, inp["D"], inp["z"], inp["delta_bias"], True)
+    wide = kernels.selective_scan_fwd(*args)
+    assert wide[3].block_d == 4
+    gpu_rule = kernels.selective_scan_fwd(*args, cfg=kernels.tile_config(12, 8, 40))
+    assert gpu_rule[3].block_d == 1
+    for a, b in zip((wide[0], wide[1], wide[2].states, wide[2].y), (gpu_rule[0], gpu_rule[1], gpu_rule[2].states,
+                                                                     gpu_rule[2].y)):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("block_d, block_l, bwd_block_d, bwd_block_l", [

@@ -46,10 +46,12 @@ Shapes (already validated by :mod:`mambalab.ops.selective_scan`): u, delta, z, o
 A: (d, n); B, C: (b, g, n, l) contiguous; D, delta_bias: (d,).
 Tiles: ``BLOCK_D`` channels × ``BLOCK_L`` steps per program (the state travels between blocks through memory,
 a (BLOCK_D,) column per state index), picked by :func:`tile_config` from (d // g, n, l) alone, so results never
-depend on the batch size or the machine.
+depend on the batch size or the machine (on the CPU the forward takes INTERPRETER_BLOCK_D channels a program,
+which gives the same bits: tests/test_selective_scan.py checks it).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,9 +59,15 @@ import torch
 import triton
 import triton.language as tl
 
+from mambalab import device
 from mambalab.kernels.reduce import sum_partials
 
 LOG2E = tl.constexpr(1.4426950408889634)   # exp(x) = exp2(x · LOG2E); a global a kernel reads must be a tl.constexpr instance
+
+
+# On the CPU (Triton's interpreter, whose cost is per program) the forward takes up to 64 channels of one group a
+# program instead of one: each channel's scan is its own, so the sums and their order, and the bits, are the same
+INTERPRETER_BLOCK_D = 64
 
 
 @dataclass(frozen=True)
@@ -359,7 +367,10 @@ def selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, delta_softplus, cfg:
     """
     b, d, l = u.shape
     g, n = B.shape[1], B.shape[2]
-    cfg = cfg or tile_config(d // g, n, l)
+    if cfg is None:
+        cfg = tile_config(d // g, n, l)
+        if device.interpreted(u.device):   # each channel's scan is its own: more a program, the same bits
+            cfg = dataclasses.replace(cfg, block_d=_largest_power_of_two_dividing(d // g, INTERPRETER_BLOCK_D))
     for name in ("block_d", "bwd_block_d"):
         if (d // g) % getattr(cfg, name):
             raise ValueError(f"{name}={getattr(cfg, name)} must divide the channels per group, {d // g}")
