@@ -25,7 +25,7 @@ Math (one input row v of K channels; W (N, K); fp32 sums):
 
 Every program computes the norm's statistics itself, over the whole row: it reads the row's K values of x (and
 r and z) once for Σ u² and again, tile by tile, for v, where a norm kernel of its own would cost a launch and
-a pass over the row. (No GPU timing of this kernel against the unfused layer is recorded.)
+a pass over the row.
 
 Order of the sums, fixed by the shape alone: each output row is summed over BLOCK_K tiles in k order, each
 tile's products reduced by ``tl.reduce`` with Triton's sum over a [BLOCK_N, BLOCK_K] tile of ``num_warps``
