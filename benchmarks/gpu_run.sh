@@ -16,8 +16,7 @@
 #   gpu-tests*          every GPU-only test (pytest -m gpu tests)
 #   ssd-tests           the GPU-only SSD tests (tests/test_ssd_*.py, test_state_sweep.py)
 #   mamba3-tests        the GPU-only Mamba-3 tests (tests/test_mamba3_*.py; against mamba-ssm's MIMO after tilelang-b)
-#   decode-tests        the GPU-only decode-kernel tests (state update, conv update, gated norm, batch-1 GEMVs)
-#   gemv-bench          bench_gemv.py --sweep: the batch-1 GEMVs of mamba2-2.7b against cuBLAS, over tiles
+#   decode-tests        the GPU-only decode-kernel tests (state update, conv update, gated norm)
 #   compat-tests*       the drop-ins' and norms' GPU-only tests; upstream's test_mamba_inner_fn, causal-conv1d and gated-norm
 #                       tests at their sizes (needs ccd-ext earlier)
 #   tests*              all of test_selective_scan.py and test_mamba1.py, then the former's GPU-only tests again
@@ -102,9 +101,7 @@ for step in "$@"; do
     gpu-tests) ext_ready; run_pytest -v -m gpu tests ;;
     ssd-tests) run_pytest -q -m gpu tests/test_ssd_*.py tests/test_state_sweep.py ;;
     mamba3-tests) run_pytest -q -m gpu tests/test_mamba3_*.py ;;
-    decode-tests) run_pytest -q -m gpu tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py \
-                    tests/test_decode_linear.py ;;
-    gemv-bench) within python3 benchmarks/bench_gemv.py --sweep --out "$OUT/gemv.json" >>"$log" 2>&1; show="ratio|rror" ;;
+    decode-tests) run_pytest -q -m gpu tests/test_state_update.py tests/test_conv_update.py tests/test_norm_kernel.py ;;
     compat-tests) ccd_ready
                   run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
                     tests/test_norm.py tests/test_norm_kernel.py

@@ -165,22 +165,6 @@ def _causal_conv1d(dtype, channel_last=True, packed=False, b=2, d=80, l=100, wid
         _backward(causal_conv1d_fn(x, weight, bias, initial_states=init, return_final_states=True, activation="silu"))
 
 
-def _decode_linear(dtype, n=300, k=600, fused="conv"):
-    """The batch-1 GEMV with the conv's step after it, or with the gated norm (groups, a residual) before it."""
-    from mambalab.ops.decode_linear import decode_linear
-    x, weight = torch.randn(1, k).to(dtype), torch.randn(n, k).to(dtype)
-    with torch.no_grad():
-        if fused == "conv":
-            channels = n - n // 4
-            decode_linear(x, weight, torch.randn(n).to(dtype), conv_state=torch.randn(channels, 4).to(dtype),
-                          conv_weight=torch.randn(channels, 4).to(dtype), conv_bias=torch.randn(channels).to(dtype),
-                          conv_start=n // 4)
-        else:
-            decode_linear(x, weight, norm_weight=torch.ones(k).to(dtype), z=torch.randn(1, k).to(dtype),
-                          residual=torch.randn(1, k).to(dtype) if fused == "norm-residual" else None,
-                          group_size=k // 4 if fused == "norm-groups" else None, norm_before_gate=False)
-
-
 def _gated_norm(dtype, d=96, group_size=48, gated=True):
     x, z = (torch.randn(3, d).to(dtype) for _ in range(2))
     gated_norm_fwd(x, torch.ones(d, dtype=dtype), torch.zeros(d, dtype=dtype) if not gated else None,
@@ -247,11 +231,6 @@ CASES = {
     "conv_update-bf16": lambda: _conv_update(torch.bfloat16),
     "causal_conv1d_fn-bf16-channel-last": lambda: _causal_conv1d(torch.bfloat16),
     "causal_conv1d_fn-fp32-packed": lambda: _causal_conv1d(torch.float32, channel_last=False, packed=True),
-    "decode_linear-bf16-conv": lambda: _decode_linear(torch.bfloat16),
-    "decode_linear-bf16-norm-groups": lambda: _decode_linear(torch.bfloat16, fused="norm-groups"),
-    "decode_linear-fp32-norm-residual": lambda: _decode_linear(torch.float32, fused="norm-residual"),
-    "decode_linear-bf16-conv-gpu-tiles": lambda: _decode_linear(torch.bfloat16, n=10576, k=2560),
-    "decode_linear-bf16-norm-gpu-tiles": lambda: _decode_linear(torch.bfloat16, n=2560, k=5120, fused="norm"),
     "gated_norm-bf16-rms-gated": lambda: _gated_norm(torch.bfloat16),
     "gated_norm-bf16-layernorm": lambda: _gated_norm(torch.bfloat16, gated=False),
     "gated_norm-bf16-gpu-tiles": lambda: _gated_norm(torch.bfloat16, d=5120, group_size=5120),

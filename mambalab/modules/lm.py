@@ -142,13 +142,6 @@ class MambaLM(nn.Module):
         kwargs = mixer_kwargs if inference_params is None else dict(mixer_kwargs, inference_params=inference_params)
         update = None                                        # the previous block's mixer output
         for layer in self.layers:
-            # batch 1 past the prompt, on a GPU: the add, the norm and the mixer's step in three kernels
-            fused = (inference_params is not None and ids.shape == (1, 1) and not mixer_kwargs
-                     and hasattr(layer.mixer, "add_norm_step")
-                     and layer.mixer.add_norm_step(layer.norm, h, update, inference_params))
-            if fused:
-                h, update = fused
-                continue
             # h_{k-1} = h_{k-2} + mixer_{k-1}(…) and its norm in one step: on a GPU without autograd one kernel
             h, normed = (h, layer.norm(h)) if update is None else add_norm(layer.norm, h, update)
             update = layer.mixer(normed, **kwargs)

@@ -57,7 +57,6 @@ from mambalab import device, validate
 from mambalab.modules.conv import causal_conv1d, causal_conv1d_step, new_conv_state, varlen_conv_states
 from mambalab.modules.norm import GatedRMSNorm
 from mambalab.ops import ssd_chunk_scan
-from mambalab.ops.decode_linear import decode_linear
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.ssd import last_positions, ssd_chunked, ssd_quadratic, ssd_recurrent, ssd_ref, ssd_step
 from mambalab.modules.inference_cache import states_from_cache
@@ -385,32 +384,32 @@ class Mamba2(nn.Module):
 
         mamba-ssm's ``Mamba2.step``. The states are updated in place (and returned). Running ``step`` over a
         sequence from zeroed states gives the same outputs as :meth:`forward` on the whole sequence.
-
-        Three paths, one math: at batch 1 on a GPU with ``scan="kernel"`` where :meth:`_fused_step_applies`,
-        :meth:`_fused_step`'s three kernels; else, on a GPU without autograd and with ``scan="kernel"``, in_proj,
-        the conv's step, the state update (:meth:`_state_update`), the gated norm and out_proj one after the
-        other; else (the CPU, float64, autograd, ``scan="reference"``) the same steps with
-        :func:`~mambalab.ref.ssd.ssd_step` for the state's, in fp32 (fp64 for a fp64 block).
         """
         validate.one_token("hidden_states", hidden_states, self.d_model)
         dtype = hidden_states.dtype
-        kernels = self.scan == "kernel" and device.inference_kernels_apply(hidden_states,
-                                                                            *self.parameters(recurse=False))
-        if kernels and self._fused_step_applies(hidden_states) and conv_state.shape[0] == 1:
-            return self._fused_step(hidden_states, conv_state, ssm_state)
+        cd = torch.promote_types(dtype, torch.float32)                        # fp32, or fp64 for a fp64 block
 
         z0, x0, z, xBC, dt = self.in_proj(hidden_states[:, 0]).split(self.split_sizes(), dim=-1)  # (b, ·) each
         xBC = causal_conv1d_step(self.conv1d, xBC, conv_state)              # (b, conv_dim)
         x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))  # (b, h, p), (b, g, n), (b, g, n)
 
-        if kernels:
-            y = self._state_update(ssm_state, x, dt, B, C, None if self.rmsnorm else z).flatten(-2)
+        if self.scan == "kernel" and device.inference_kernels_apply(hidden_states, *self.parameters(recurse=False)):
+            # one Triton kernel: A = -exp(A_log), Δ, the state's one read and write, C, D (and the gate without
+            # the norm); it reads A_log, D and dt_bias in their own dtype and widens them to fp32 itself (no
+            # kernels a step to prepare them)
+            b, h, p, n = ssm_state.shape
+            D = self._skip()
+            y = selective_state_update(
+                ssm_state, x, dt[..., None].expand(b, h, p), self.A_log[:, None, None].expand(h, p, n), B, C,
+                D if self.D_has_hdim else D[:, None].expand(h, p),
+                z=None if self.rmsnorm else z.unflatten(-1, (h, p)),
+                dt_bias=self.dt_bias[:, None].expand(h, p), dt_softplus=True,
+                dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit, A_is_log=True).flatten(-2)
             if self.rmsnorm:
                 y = self.norm(y, z)
             if self.d_mlp > 0:
                 y = torch.cat([F.silu(z0) * x0, y.to(dtype)], dim=-1)              # (b, d_inner)
             return self.out_proj(y.to(dtype)).unsqueeze(1), conv_state, ssm_state
-        cd = torch.promote_types(dtype, torch.float32)                        # fp32, or fp64 for a fp64 block
         # Δ = clamp(softplus(dt + dt_bias), *dt_limit), as the scan forms it
         A = -torch.exp(self.A_log.to(cd))                                      # (h,)
         D = self._skip().to(cd)
@@ -426,77 +425,6 @@ class Mamba2(nn.Module):
         if self.d_mlp > 0:
             y = torch.cat([F.silu(z0) * x0, y], dim=-1)                        # (b, d_inner)
         return self.out_proj(y).unsqueeze(1), conv_state, ssm_state
-
-    def _state_update(self, ssm_state, x, dt, B, C, z):
-        """The state's step as one Triton kernel: A = -exp(A_log), Δ, the state's one read and write, C, D (and
-        the gate z (b, d_ssm) when given); it reads A_log, D and dt_bias in their own dtype and widens them to
-        fp32 itself (no kernels a step to prepare them). x (b, h, p), dt (b, h), B, C (b, g, n) -> (b, h, p)."""
-        b, h, p, n = ssm_state.shape
-        D = self._skip()
-        return selective_state_update(
-            ssm_state, x, dt[..., None].expand(b, h, p), self.A_log[:, None, None].expand(h, p, n), B, C,
-            D if self.D_has_hdim else D[:, None].expand(h, p), z=None if z is None else z.unflatten(-1, (h, p)),
-            dt_bias=self.dt_bias[:, None].expand(h, p), dt_softplus=True,
-            dt_limit=None if self.dt_limit == (0.0, float("inf")) else self.dt_limit, A_is_log=True)
-
-    def _fused_step_applies(self, hidden_states: torch.Tensor) -> bool:
-        """Batch 1, the gated RMS norm without a bias, no MLP channels, the projections' and the conv's weights
-        in hidden_states' dtype, plain ``nn.Linear`` projections (a tensor-parallel block's all-reduce them), and
-        no parameter that autograd would record: :meth:`_fused_step`'s case. (:meth:`step` also asks for a GPU
-        and ``scan="kernel"``.)"""
-        weights = (self.in_proj.weight, self.out_proj.weight, self.conv1d.weight)
-        plain = type(self.in_proj) is nn.Linear and type(self.out_proj) is nn.Linear
-        return (hidden_states.shape[0] == 1 and plain and self.rmsnorm and self.norm.bias is None and self.d_mlp == 0
-                and all(w.dtype == hidden_states.dtype for w in weights)
-                and not validate.records_autograd(*self.parameters()))
-
-    def _fused_step(self, hidden_states, conv_state, ssm_state, norm=None, update=None):
-        """A decode step at batch 1 in three kernels (:func:`mambalab.ops.decode_linear`): in_proj's GEMV with
-        the conv's step on its xBC outputs, the state update, the gated norm inside out_proj's GEMV. The same
-        math as :meth:`step`'s other paths, each output rounded where theirs are.
-
-        With ``norm`` (the block's pre-norm, an RMS norm without a bias): hidden_states is the residual stream h
-        (1, 1, d_model) and ``update`` the previous block's output (1, 1, d_model) or None; in_proj's GEMV
-        reads norm(h + update), and (h + update, out) is returned (what :func:`~mambalab.modules.norm.add_norm`
-        and then this step give, in one kernel fewer)."""
-        u = hidden_states[:, 0]
-        pre = {}
-        if norm is not None:
-            pre = dict(norm_weight=norm.weight, group_size=norm.group_size, eps=norm.eps)
-            if update is not None:   # s = update + h, rounded to the stream's dtype once
-                u, pre["residual"] = update[:, 0], hidden_states[:, 0]
-        conv = self.conv1d
-        zxbcdt = decode_linear(u, self.in_proj.weight, self.in_proj.bias, **pre,
-                               conv_state=conv_state[0], conv_weight=conv.weight[:, 0], conv_bias=conv.bias,
-                               conv_start=2 * self.d_mlp + self.d_ssm)        # xBC already through the conv
-        stream = hidden_states
-        if "residual" in pre:
-            zxbcdt, stream = zxbcdt[0], zxbcdt[1][:, None]
-        _, _, z, xBC, dt = zxbcdt.split(self.split_sizes(), dim=-1)
-        x, B, C = self.split_heads(*xBC.split(self.xBC_split_sizes(), dim=-1))
-        y = self._state_update(ssm_state, x, dt, B, C, None).flatten(-2)        # (1, d_ssm)
-        gated = self.norm
-        out = decode_linear(y.to(hidden_states.dtype), self.out_proj.weight, self.out_proj.bias,
-                            norm_weight=gated.weight, z=z, group_size=gated.group_size, eps=gated.eps,
-                            norm_before_gate=gated.norm_before_gate).unsqueeze(1)
-        return (stream, out) if norm is not None else (out, conv_state, ssm_state)
-
-    def add_norm_step(self, norm: nn.Module, h: torch.Tensor, update: torch.Tensor | None, inference_params):
-        """A language model's block at batch 1 while decoding, the pre-norm fused into in_proj's GEMV: returns
-        (s, mixer(norm(s))) with s = h + update (h when ``update`` is None), or None where that fusion does not
-        apply (then the caller runs :func:`~mambalab.modules.norm.add_norm` and this block's forward).
-
-        norm: the block's pre-norm; h, update (1, 1, d_model); inference_params past its prompt
-        (``seqlen_offset > 0``)."""
-        if not (self.scan == "kernel" and inference_params.seqlen_offset > 0 and getattr(norm, "is_rms_norm", False)
-                and norm.bias is None and norm.weight.dtype == h.dtype
-                and (update is None or update.dtype == h.dtype)
-                and device.inference_kernels_apply(h, update, norm.weight, *self.parameters(recurse=False))
-                and self._fused_step_applies(h)):
-            return None
-        validate.one_token("h", h, self.d_model)
-        conv_state, ssm_state = self._get_states_from_cache(inference_params, 1)
-        return self._fused_step(h, conv_state, ssm_state, norm=norm, update=update)
 
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_inner={self.d_inner}, d_ssm={self.d_ssm}, d_state={self.d_state}, "
