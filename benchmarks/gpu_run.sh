@@ -10,7 +10,7 @@
 #                           (no .pt files) and compat's parts: the device tool's $OUT, which brings back 8 files
 #   carried:  .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,
 #             ipykernel, nbconvert and their missing dependencies), .carry/ (mamba-ssm's sdist; causal-conv1d's for
-#             ccd-ext and transformers' wheel for compat: benchmarks/carry_compat.sh; TileLang's for tilelang-a and
+#             ccd-ext and transformers' wheels for compat: benchmarks/carry_compat.sh; TileLang's for tilelang-a and
 #             -b: benchmarks/tilelang_wheels.sh)
 # Steps (* waits for mamba-ssm's CUDA extension; GPU-only tests are those marked gpu, see tests/test_gpu_marker.py):
 #   gpu-tests*          every GPU-only test (pytest -m gpu tests)
