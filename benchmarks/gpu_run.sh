@@ -4,7 +4,8 @@
 #   usage:    [STEP_TIMEOUT=300] [DTYPES="bf16 fp32"] [OUT=build/gpu] [SKIP_EXT=1] bash benchmarks/gpu_run.sh STEP...
 #   settings: STEP_TIMEOUT  seconds each step may run, all its commands together, not counting the wait for a build
 #             DTYPES        the SSD benchmarks' dtypes (each step's default is in the table)
-#             OUT           where each step's log ($OUT/STEP.log) and results go
+#             OUT           where each step's log ($OUT/STEP.log) and results go; the device tool exports an OUT of its
+#                           own (what comes back): there pass OUT=build/gpu PACK=$OUT
 #             SKIP_EXT=1    no extension build (gpu_lanes.sh's later lanes: the first lane builds it)
 #             PACK          a folder that receives, after each step, OUT's logs and results as one results.tgz
 #                           (no .pt files) and compat's parts: the device tool's $OUT, which brings back 8 files
@@ -19,6 +20,7 @@
 #   decode-tests        the GPU-only decode-kernel tests (state update, conv update, gated norm)
 #   compat-tests*       the drop-ins' and norms' GPU-only tests; upstream's test_mamba_inner_fn, causal-conv1d and gated-norm
 #                       tests at their sizes (needs ccd-ext earlier)
+#   compat-upstream*    upstream's tests of compat-tests alone (needs ccd-ext earlier)
 #   tests*              all of test_selective_scan.py and test_mamba1.py, then the former's GPU-only tests again
 #   det-tests           all of the determinism tests, then benchmarks/fingerprints.py
 #   gen-tests           all of test_generate.py
@@ -56,7 +58,14 @@ set -uo pipefail
 OUT=${OUT:-build/gpu}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 case $STEP_TIMEOUT in ''|*[!0-9]*) echo "STEP_TIMEOUT: whole seconds expected, got '$STEP_TIMEOUT'" >&2; exit 2 ;; esac
+if [ -n "${PACK:-}" ] && [ "$(realpath -m "$OUT")" = "$(realpath -m "$PACK")" ]; then
+  # the device tool exports OUT as the folder that comes back (8 files at most): logs and .pt files would crowd
+  # out results.tgz there
+  echo "OUT and PACK are the same folder ($OUT): set OUT=build/gpu (the device tool exports OUT)" >&2; exit 2
+fi
 mkdir -p "$OUT"
+COMPAT_UPSTREAM=(tests/upstream/test_selective_scan.py::test_mamba_inner_fn tests/upstream/test_causal_conv1d.py
+                 tests/upstream/test_layernorm_gated.py)
 if [ ! -f /tmp/site/.mambalab-wheels ] && [ -d .whl ]; then   # once per machine (parallel lanes share it); a call
   # that carries no .whl (tilelang-a) installs nothing here
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -105,8 +114,8 @@ for step in "$@"; do
     compat-tests) ccd_ready
                   run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
                     tests/test_norm.py tests/test_norm_kernel.py
-                  run_pytest -q tests/upstream/test_selective_scan.py::test_mamba_inner_fn tests/upstream/test_causal_conv1d.py \
-                    tests/upstream/test_layernorm_gated.py; show="passed|failed" ;;
+                  run_pytest -q "${COMPAT_UPSTREAM[@]}"; show="passed|failed" ;;
+    compat-upstream) ccd_ready; run_pytest -q "${COMPAT_UPSTREAM[@]}"; show="passed|failed" ;;
     tests) run_pytest -q tests/test_selective_scan.py tests/test_mamba1.py
            ext_ready; run_pytest -q -m gpu tests/test_selective_scan.py ;;
     det-tests) run_pytest -q -s tests/test_determinism.py tests/test_determinism_kernels.py
