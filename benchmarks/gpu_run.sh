@@ -20,7 +20,8 @@
 #   decode-tests        the GPU-only decode-kernel tests (state update, conv update, gated norm)
 #   compat-tests*       the drop-ins' and norms' GPU-only tests; upstream's test_mamba_inner_fn, causal-conv1d and gated-norm
 #                       tests at their sizes (needs ccd-ext earlier)
-#   compat-upstream*    upstream's tests of compat-tests alone (needs ccd-ext earlier)
+#   compat-upstream*    upstream's tests of compat-tests alone, 8 pytest workers when .whl has pytest-xdist
+#                       (../shared/gpu-wheels.sh latex2mathml pytest-xdist execnet; needs ccd-ext earlier)
 #   tests*              all of test_selective_scan.py and test_mamba1.py, then the former's GPU-only tests again
 #   det-tests           all of the determinism tests, then benchmarks/fingerprints.py
 #   gen-tests           all of test_generate.py
@@ -115,7 +116,9 @@ for step in "$@"; do
                   run_pytest -q -m gpu tests/test_layer_norm_fn.py tests/test_causal_conv1d_fn.py tests/test_mamba_inner_fn.py \
                     tests/test_norm.py tests/test_norm_kernel.py
                   run_pytest -q "${COMPAT_UPSTREAM[@]}"; show="passed|failed" ;;
-    compat-upstream) ccd_ready; run_pytest -q "${COMPAT_UPSTREAM[@]}"; show="passed|failed" ;;
+    compat-upstream) ccd_ready   # 8 workers when pytest-xdist is carried: upstream's conv tests are 12,000 at GPU sizes
+                     python3 -c 'import xdist' 2>/dev/null && workers=(-n 8) || workers=()
+                     run_pytest -q "${workers[@]}" "${COMPAT_UPSTREAM[@]}"; show="passed|failed" ;;
     tests) run_pytest -q tests/test_selective_scan.py tests/test_mamba1.py
            ext_ready; run_pytest -q -m gpu tests/test_selective_scan.py ;;
     det-tests) run_pytest -q -s tests/test_determinism.py tests/test_determinism_kernels.py
