@@ -179,17 +179,22 @@ def _installed(name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
-def _bind(routing: KernelRouting, module_name: str, names: dict[str, Callable]) -> None:
-    try:
-        mod = importlib.import_module(module_name)
-    except ImportError as err:
-        routing.left.append((module_name, f"not importable here ({err})"))
-        return
-    for name, replacement in names.items():
-        if not hasattr(mod, name):
-            continue
-        routing.bound.append(Binding(module_name, name, getattr(mod, name), replacement))
-        setattr(mod, name, replacement)
+def _bind_all(routing: KernelRouting, plan: dict[str, dict[str, Callable]]) -> None:
+    """Bind ``plan``'s names ({module: {name: replacement}}), importing every module before binding any: a module
+    first imported after a name was bound would copy the replacement as its own (``mamba2_simple`` imports
+    ``ssd_combined``'s functions by name), and :meth:`KernelRouting.undo` would then restore mambalab's."""
+    modules = {}
+    for module_name in plan:
+        try:
+            modules[module_name] = importlib.import_module(module_name)
+        except ImportError as err:
+            routing.left.append((module_name, f"not importable here ({err})"))
+    for module_name, mod in modules.items():
+        for name, replacement in plan[module_name].items():
+            if not hasattr(mod, name):
+                continue
+            routing.bound.append(Binding(module_name, name, getattr(mod, name), replacement))
+            setattr(mod, name, replacement)
 
 
 def use_mambalab_kernels(*, mamba_ssm: bool = True, transformers: bool = True, deterministic: bool = True,
@@ -227,14 +232,13 @@ def use_mambalab_kernels(*, mamba_ssm: bool = True, transformers: bool = True, d
         routing.settings_before = Settings.capture()
         set_deterministic(True)
     if mamba_ssm and _installed("mamba_ssm"):
-        for module, names in MAMBA_SSM_NAMES.items():
-            _bind(routing, f"mamba_ssm.{module}", {name: ops[name] for name in names})
+        _bind_all(routing, {f"mamba_ssm.{module}": {name: ops[name] for name in names}
+                            for module, names in MAMBA_SSM_NAMES.items()})
         routing.left += [(f"mamba_ssm.{m}", why) for m, why in MAMBA_SSM_LEFT.items()]
     elif mamba_ssm:
         routing.left.append(("mamba_ssm", "not installed"))
     if transformers and _installed("transformers"):
-        for module, names in _transformers_names().items():
-            _bind(routing, module, names)
+        _bind_all(routing, _transformers_names())
         routing.left.append(("transformers' decode steps and RMSNorms", "kept: plain PyTorch or per-token kernels"))
     elif transformers:
         routing.left.append(("transformers", "not installed"))

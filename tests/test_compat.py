@@ -47,6 +47,23 @@ def test_routing_binds_every_module_that_holds_a_name_and_undo_restores_them():
     assert (ssd.mamba_split_conv1d_scan_combined, block.layer_norm_fn, mamba2.causal_conv1d_fn) == before
 
 
+def test_undo_restores_a_module_first_imported_by_the_routing(monkeypatch):
+    """mamba2_simple imports ssd_combined's functions by name and nothing imports it before the routing does: were
+    it imported after ssd_combined's names were bound, it would record mambalab's functions as its originals."""
+    import sys
+
+    oracle.load()
+    simple = "mamba_ssm.modules.mamba2_simple"
+    monkeypatch.delitem(sys.modules, simple, raising=False)
+    routing = compat.use_mambalab_kernels(transformers=False)
+    routing.undo()
+    assert any(b.module == simple for b in routing.bound)
+    still_ours = [f"{b.module}.{b.name}" for b in routing.bound
+                  if getattr(getattr(importlib.import_module(b.module), b.name), "__module__", "").startswith("mambalab")]
+    assert still_ours == []
+    assert [b.describe() for b in routing.bound if "(was mambalab" in b.describe()] == []
+
+
 def test_routing_as_a_context_manager_restores_the_determinism_settings():
     from mambalab.determinism.switch import Settings, set_deterministic
 
