@@ -69,6 +69,23 @@ def _patterns(prefix: str, runs: list[dict], emulated: list[dict]) -> dict:
             f"{prefix}_varying_over_profiles": varying([runs[0], *emulated])}
 
 
+def _transformers_fused_function() -> str:
+    """Which function transformers' ``mamba2_split_conv1d_scan_combined`` wrapper resolved when transformers was
+    imported (``integrations/hub_kernels.py`` of transformers 5.25 keeps it in the wrapper's closure): the module
+    of mamba-ssm's function, or "PyTorch" for transformers' own path; "unknown" where the wrapper is not laid out so."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    def closure(fn) -> dict:
+        code = getattr(fn, "__code__", None)
+        return {} if code is None else {k: c.cell_contents for k, c in zip(code.co_freevars, fn.__closure__ or ())}
+
+    wrapped = closure(getattr(modeling_mamba2.mamba2_split_conv1d_scan_combined, "forward", None)).get("func")
+    cells = closure(wrapped)
+    if "implementation" not in cells:
+        return "unknown"
+    return "PyTorch" if not cells.get("is_new_implementation") else getattr(cells["implementation"], "__module__", "?")
+
+
 def fingerprints(out: Path) -> dict:
     from mambalab import oracle
     from mambalab.determinism import library_step, step
@@ -80,6 +97,8 @@ def fingerprints(out: Path) -> dict:
     rows.append(dict(model="mambalab.Mamba2 (mambalab fingerprint)", routed=True, fingerprint=report["fingerprint"]))
     for model in library_step.MODELS:
         row = dict(model=model, mamba_ssm_mode=_mode())
+        if model.startswith("transformers."):   # its own path on this machine: mamba-ssm's fused function or PyTorch
+            row["transformers_fused_function"] = _transformers_fused_function()
         try:
             first, mine = library_step.run(model, size="gpu", return_tensors=True)
             step.save_step(out / f"{tag}_{model.replace('.', '_')}.pt", first, _grads(mine))

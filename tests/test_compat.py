@@ -238,3 +238,19 @@ def test_library_step_names_a_bad_argument():
     with pytest.raises(ValueError, match="size"):
         library_step.run("mamba_ssm.Mamba2", size="tpu")
     assert set(ARCH_PROFILES) >= {"rtx4090", "rtxa6000"}
+
+
+def test_bench_compat_reads_which_function_transformers_resolved():
+    """bench_compat.py records, beside transformers' own fingerprints, the function its fused wrapper resolved at
+    import: mamba-ssm's, or its PyTorch path where mamba-ssm did not import then. "unknown" would mean that the
+    wrapper's layout (transformers 5.25's integrations/hub_kernels.py) is not the one read."""
+    import sys
+    from pathlib import Path
+
+    oracle.load()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import bench_compat
+    finally:
+        sys.path.pop(0)
+    assert bench_compat._transformers_fused_function() in ("mamba_ssm.ops.triton.ssd_combined", "PyTorch")
