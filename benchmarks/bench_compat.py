@@ -14,8 +14,9 @@
         fp32 parameters) of mamba-ssm's MambaLMHeadModel with Mamba-2 layers, d_model 2048, 8 layers, b 4, l 4096,
         vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), medians of
         common.time_ms.
-    python benchmarks/bench_compat.py profile --out FILE    that step under torch.profiler, routed and mamba-ssm's
-        own: the operators and kernels that take the time.
+    python benchmarks/bench_compat.py profile [--routed-only] --out FILE    that step under torch.profiler, routed
+        and mamba-ssm's own (or the routed one alone: no causal_conv1d package needed): the operators and kernels
+        that take the time.
 
 gpu_run.sh's `compat` step runs the fingerprints and `compat-speed` the speed, once per mamba-ssm mode, one process
 each.
@@ -170,31 +171,36 @@ def speed() -> dict:
     return dict(environment=environment(), command=f"bench_compat.py speed (mamba-ssm {_mode()} mode)", rows=[row])
 
 
-def profile() -> dict:
-    """The speed benchmark's step under torch.profiler (common.profile_table), routed and mamba-ssm's own."""
+def profile(routed_only: bool = False) -> dict:
+    """The speed benchmark's step under torch.profiler (common.profile_table), routed and mamba-ssm's own; with
+    ``routed_only`` the routed step alone, 40 rows (mamba-ssm's own Mamba2 path needs the causal_conv1d package,
+    the routed one does not)."""
     from mambalab.compat import use_mambalab_kernels
 
     train_step = _speed_model()
-    own = profile_table(train_step, steps=2, rows=25)
+    own = None if routed_only else profile_table(train_step, steps=2, rows=25)
     with use_mambalab_kernels():
-        routed = profile_table(train_step, steps=2, rows=25)
-    for side, table in (("routed", routed), ("mamba_ssm", own)):
+        routed = profile_table(train_step, steps=2, rows=40 if routed_only else 25)
+    for side, table in (("routed", routed), ("mamba_ssm", own or [])):
         print(f"--- {side} ({_mode()} mode): ms a step, calls a step, operator or kernel")
         for r in table:
             print(f"{r['self_ms_per_step']:9.2f} {r['calls_per_step']:7.0f}  {r['name'][:110]}")
-    return dict(environment=environment(), command=f"bench_compat.py profile (mamba-ssm {_mode()} mode)",
-                routed=routed, mamba_ssm=own)
+    return dict(environment=environment(), command=f"bench_compat.py profile{' --routed-only' if routed_only else ''} "
+                                                   f"(mamba-ssm {_mode()} mode)", routed=routed, mamba_ssm=own)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("fingerprints", "speed", "profile"))
     parser.add_argument("--out", required=True, help="fingerprints: a folder; speed, profile: a JSON file")
+    parser.add_argument("--routed-only", action="store_true", help="profile: the routed step alone")
     args = parser.parse_args()
+    if args.routed_only and args.what != "profile":
+        parser.error("--routed-only goes with profile")
     if args.what == "fingerprints":
         fingerprints(Path(args.out))
     else:
-        write(args.out, speed() if args.what == "speed" else profile())
+        write(args.out, speed() if args.what == "speed" else profile(args.routed_only))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@
 #                       both mamba-ssm modes and their GPU tests (needs ccd-ext earlier, .carry/transformers)
 #   compat-speed*       bench_compat.py speed, routed against mamba-ssm in each of its modes (needs ccd-ext earlier)
 #   compat-profile*     bench_compat.py profile: that step's operators and kernels, mamba-ssm's deterministic mode
+#   compat-profile-routed*  the routed step's alone (bench_compat.py profile --routed-only; no ccd-ext needed)
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -206,6 +207,8 @@ for step in "$@"; do
                     --out "$OUT/compat_speed_deterministic.json" >>"$log" 2>&1; show="^\{|rror" ;;
     compat-profile) ccd_ready; MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py profile \
                       --out "$OUT/compat_profile.json" >>"$log" 2>&1; show="^ |---|rror" ;;
+    compat-profile-routed) ext_ready; within python3 benchmarks/bench_compat.py profile --routed-only \
+                             --out "$OUT/compat_profile_routed.json" >>"$log" 2>&1; show="^ |---|rror" ;;
     *) echo "unknown step $step" >>"$log" ;;
   esac
   if [ -n "$show" ]; then grep -E "$show" "$log" | cut -c1-300 | tail -n 40; else tail -n 6 "$log"; fi
