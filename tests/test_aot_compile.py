@@ -321,3 +321,26 @@ def test_pipelined_loops_keep_their_async_copies(compiled, case):
         assert c.loops >= 1 and c.async_copies > 0, (
             f"{name} in {case}: {c.loops} loops, {c.async_copies} asynchronous copies: its loop's loads are "
             "no longer software-pipelined")
+
+
+def test_sass_counter_reads_opcodes_with_predicates_and_modifiers():
+    """benchmarks/sass_mamba3_step.py counts a cuobjdump listing's instructions by opcode: a predicate (@P0, @!P5)
+    and modifiers (.FTZ) do not hide one, and the hex words and labels are not counted."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import sass_mamba3_step as sass
+    finally:
+        sys.path.pop(0)
+    listing = """
+        /*0090*/                   FFMA R3, R2, R5, R3 ;                    /* 0x0000000502037223 */
+        /*00a0*/              @!P5 FMUL.FTZ R2, RZ, R14 ;                   /* 0x0000000eff02d220 */
+        /*00b0*/               @P0 SHFL.BFLY PT, R4, R3, 0x1, 0x1f ;        /* 0x0c201f0003047f89 */
+        /*00c0*/                   LDG.E.EF.128 R8, desc[UR4][R6.64] ;       /* 0x0000000406087981 */
+.L_x_1:
+        /*00d0*/                   EXIT ;                                   /* 0x000000000000794d */
+"""
+    ops = sass.counts(listing)
+    assert ops == {"FFMA": 1, "FMUL": 1, "SHFL": 1, "LDG": 1, "EXIT": 1}
+    assert sass.by_kind(ops) == {"fp32 math": 2, "shuffles": 1, "memory": 1, "control": 1}

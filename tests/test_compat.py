@@ -58,8 +58,8 @@ def test_undo_restores_a_module_first_imported_by_the_routing(monkeypatch):
     routing = compat.use_mambalab_kernels(transformers=False)
     routing.undo()
     assert any(b.module == simple for b in routing.bound)
-    still_ours = [f"{b.module}.{b.name}" for b in routing.bound
-                  if getattr(getattr(importlib.import_module(b.module), b.name), "__module__", "").startswith("mambalab")]
+    held = {f"{b.module}.{b.name}": getattr(importlib.import_module(b.module), b.name) for b in routing.bound}
+    still_ours = [name for name, fn in held.items() if getattr(fn, "__module__", "").startswith("mambalab")]
     assert still_ours == []
     assert [b.describe() for b in routing.bound if "(was mambalab" in b.describe()] == []
 
