@@ -17,6 +17,9 @@ the machine code with its cuobjdump, then counts the instructions by kind:
     control      BRA EXIT BAR NOP ...
 
     python benchmarks/sass_mamba3_step.py [--batch 64] [--shape H P G N A] [--ranks 1 2 4] [--out FILE]
+    python benchmarks/sass_mamba3_step.py --against-sweep benchmarks/results/2026-12-03_h200_mamba3_step_sweep_flat.json
+
+The second form counts every configuration a GPU sweep timed (h32 p64 g1 n128 a32), beside its time.
 
 Both steps import mambalab from this checkout (the directory above benchmarks/).
 """
@@ -55,11 +58,12 @@ KIND_OF = {op: kind for kind, ops in KINDS.items() for op in ops}
 INSTRUCTION = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)(?:\.[A-Z0-9_.]+)?\b")
 
 
-def step_launch(batch: int, h: int, p: int, g: int, n: int, a: int, r: int):
+def step_launch(batch: int, h: int, p: int, g: int, n: int, a: int, r: int, config: dict | None = None):
     """The step's one launch at this shape, recorded (bf16 token inputs, fp32 state, D and z, as the benchmark's
-    ``bench_mamba3.step_inputs``), and its grid."""
+    ``bench_mamba3.step_inputs``), and its grid; ``config`` replaces ``step_config``'s choice (BLOCK_P,
+    num_warps, FLAT, STREAM)."""
     from mambalab.ops import mamba3_step
-    from mambalab.kernels.mamba3.step import step_config
+    from mambalab.kernels.mamba3 import step as step_kernel
     from mambalab.ref.mamba3 import zero_state
 
     bf = lambda *s: torch.randn(*s).bfloat16()
@@ -68,10 +72,15 @@ def step_launch(batch: int, h: int, p: int, g: int, n: int, a: int, r: int):
     args = dict(q=bf(batch, r, g, n), k=bf(batch, r, g, n), v=bf(batch, h, p), adt=-dt, dt=dt,
                 trap=torch.rand(batch, h), q_bias=torch.randn(h, r, n), k_bias=torch.randn(h, r, n),
                 angles=torch.randn(batch, h, a), D=torch.randn(h), z=bf(batch, h, p), **mimo)
-    launches = aot.record_launches(lambda: mamba3_step(zero_state(batch, h, p, n, r, a, torch.float32, "cpu"),
-                                                       **args))
+    rule = step_kernel.step_config
+    cfg = dict(config) if config is not None else rule(batch, h, p, r)
+    step_kernel.step_config = lambda *_: dict(cfg)
+    try:
+        launches = aot.record_launches(lambda: mamba3_step(zero_state(batch, h, p, n, r, a, torch.float32, "cpu"),
+                                                           **args))
+    finally:
+        step_kernel.step_config = rule
     assert len(launches) == 1, [x.kernel for x in launches]
-    cfg = step_config(batch, h, p, r)
     programs = batch * h * -(-p // cfg["BLOCK_P"])
     return launches[0], programs, cfg["num_warps"]
 
@@ -103,6 +112,40 @@ def by_kind(ops: collections.Counter) -> dict[str, int]:
     return dict(sorted(kinds.items(), key=lambda kv: -kv[1]))
 
 
+def count_step(batch, h, p, g, n, a, r, arch=90, config=None) -> dict:
+    """The counts of one launch (the rule's, or ``config``): instructions a warp, warp instructions a step, kinds,
+    top opcodes, registers."""
+    launch, programs, warps = step_launch(batch, h, p, g, n, a, r, config)
+    [compiled] = aot.compile_in_subprocess([launch], arch, keep_ptx=True)
+    if compiled.error:
+        sys.exit(f"r = {r}: {compiled.error}")
+    ops = counts(sass_of(compiled.ptx, arch))
+    total = sum(ops.values())
+    return dict(r=r, programs=programs, warps_per_program=warps, sass_instructions=total,
+                warp_instructions_per_step=total * warps * programs,
+                warp_instructions_per_1k_state_elements=round(1000 * total * warps * programs / (batch * h * p * n), 1),
+                kinds=by_kind(ops), top_opcodes=dict(ops.most_common(12)),
+                registers=aot.ptxas_usage(compiled.ptx, arch).registers)
+
+
+def against_sweep(path: str, arch: int) -> list[dict]:
+    """Each configuration a step sweep measured on a GPU (``bench_mamba3.py step-sweep``'s JSON: r, batch,
+    heads, BLOCK_P, num_warps, FLAT, STREAM, us; rows of a layout the kernel no longer has are skipped), counted
+    here beside its time, so that the count can be read as a predictor of the time before a GPU is at hand."""
+    data = json.loads(Path(path).read_text())
+    rows = []
+    for m in data["rows"]:
+        if "r" not in m or m.get("RANK_TILE"):
+            continue
+        cfg = {k: m[k] for k in ("BLOCK_P", "num_warps", "FLAT", "STREAM")}
+        row = count_step(m["batch"], m["heads"], 64, 1, 128, 32, m["r"], arch, cfg)
+        rows.append(dict(config=cfg, us=m["us"], **{k: row[k] for k in ("r", "sass_instructions",
+                                                                          "warp_instructions_per_step", "registers")}))
+        print(f"r = {m['r']} {cfg}: {row['warp_instructions_per_step'] / 1e6:6.2f} M warp instructions, "
+              f"{row['registers']} registers; measured {m['us']:.1f} us", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
@@ -111,25 +154,24 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out", help="a JSON file for the counts")
+    parser.add_argument("--against-sweep", metavar="JSON",
+                        help="count each configuration of a GPU step sweep's JSON instead, beside its measured time")
     args = parser.parse_args()
     h, p, g, n, a = args.shape
+    if args.against_sweep:
+        rows = against_sweep(args.against_sweep, args.arch)
+        if args.out:
+            Path(args.out).write_text(json.dumps(dict(
+                command="python benchmarks/sass_mamba3_step.py " + " ".join(sys.argv[1:]), arch=f"sm_{args.arch}a",
+                triton=__import__("triton").__version__, rows=rows), indent=1) + "\n")
+        return
     rows = []
     for r in args.ranks:
-        launch, programs, warps = step_launch(args.batch, h, p, g, n, a, r)
-        [compiled] = aot.compile_in_subprocess([launch], args.arch, keep_ptx=True)
-        if compiled.error:
-            sys.exit(f"r = {r}: {compiled.error}")
-        ops = counts(sass_of(compiled.ptx, args.arch))
-        total = sum(ops.values())
-        elements = args.batch * h * p * n
-        row = dict(r=r, programs=programs, warps_per_program=warps, sass_instructions=total,
-                   warp_instructions_per_step=total * warps * programs,
-                   warp_instructions_per_1k_state_elements=round(1000 * total * warps * programs / elements, 1),
-                   kinds=by_kind(ops), top_opcodes=dict(ops.most_common(12)),
-                   registers=aot.ptxas_usage(compiled.ptx, args.arch).registers)
+        row = count_step(args.batch, h, p, g, n, a, r, args.arch)
         rows.append(row)
-        print(f"r = {r}: {total} SASS instructions a warp, {warps} warp(s) x {programs} programs = "
-              f"{row['warp_instructions_per_step'] / 1e6:.2f} M warp instructions a step; {row['registers']} registers")
+        print(f"r = {r}: {row['sass_instructions']} SASS instructions a warp, {row['warps_per_program']} warp(s) x "
+              f"{row['programs']} programs = {row['warp_instructions_per_step'] / 1e6:.2f} M warp instructions a "
+              f"step; {row['registers']} registers")
         print("   by kind: " + ", ".join(f"{k} {v}" for k, v in row["kinds"].items()))
         print("   top:     " + ", ".join(f"{k} {v}" for k, v in row["top_opcodes"].items()))
     if args.out:
