@@ -32,11 +32,12 @@ weight gradient; Megatron-LM's keeps only the 1/T shard and all-gathers it again
 (``LinearWithGradAccumulationAndAsyncCommunication.backward``), one more (T − 1)/T · b·l·d_model · e.
 Context parallelism (:mod:`mambalab.parallel.context`) gives each of R ranks a contiguous piece of the sequence;
 per layer a cut moves, forward, the SSD's final state (b, h, p, n) fp32 and the conv's last d_conv − 1 inputs
-(b, conv_dim, d_conv − 1) in the activations' dtype to the next rank, and backward their gradients,
-(b, h, p, n) fp32 and (b, conv_dim, d_conv − 1) fp32, to the previous one (conv_dim = d_inner + 2·g·n, the x, B
-and C channels the conv runs over: :mod:`mambalab.parallel.context_mamba2`):
+(b, conv_dim, d_conv − 1) in the activations' dtype to the next rank, and backward the state's gradient
+(b, h, p, n) fp32 and rank r's first d_conv − 1 conv inputs with their output gradients, (b, conv_dim,
+2·(d_conv − 1)) fp32, to the previous one (conv_dim = d_inner + 2·g·n, the x, B and C channels the conv runs over:
+:mod:`mambalab.parallel.context_mamba2`):
 
-    forward   4·b·h·p·n + b·conv_dim·(d_conv − 1)·e    backward   4·b·h·p·n + 4·b·conv_dim·(d_conv − 1)
+    forward   4·b·h·p·n + b·conv_dim·(d_conv − 1)·e    backward   4·b·h·p·n + 8·b·conv_dim·(d_conv − 1)
 
 independent of l. Its parameters are whole on every CP rank, so their gradients are summed over the group once a
 step: :func:`~mambalab.parallel.context.sum_over_ranks` all-gathers R copies, (R − 1)·N·4 bytes sent per rank for
