@@ -140,7 +140,7 @@ def chunk_scan_fwd_kernel(
     BLOCK_T: tl.constexpr,           # rows (chunk positions) per program, and the step over s ≤ t
     BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
     Q: tl.constexpr,                 # chunk size
-    DOT_PRECISION: tl.constexpr,     # tl.dot input_precision for fp32 operands ("ieee": exact fp32)
+    DOT_PRECISION: tl.constexpr,     # tl.dot input_precision for fp32 operands ("ieee": IEEE fp32)
 ):
     pid_b = tl.program_id(0)
     pid_c = tl.program_id(1)
