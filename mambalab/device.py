@@ -137,7 +137,7 @@ def dot_precision(dtype: torch.dtype, device: torch.device) -> str:
 
     * On a GPU, "tf32" (Triton's default, and what mamba-ssm's kernels run with): fp32 operands go through
       the tensor cores at about 1e-3 relative error per product; bf16/fp16 operands are unaffected by it.
-      Exact fp32 ("ieee") there means FMA-based dots whose (p, n)-sized fp32 tiles spill heavily and take
+      IEEE fp32 ("ieee") there means FMA-based dots whose (p, n)-sized fp32 tiles spill heavily and take
       minutes to compile (benchmarks/ptxas_ssd.py shows it), so it is not offered.
     * On the CPU interpreter, "ieee": it computes in fp32 anyway, and the tests compare at fp32 tolerances.
     """
