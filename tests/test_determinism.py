@@ -354,3 +354,18 @@ def test_mamba_ssm_mode_is_switched_and_restored(restore_settings):
 def test_set_deterministic_rejects_non_bools():
     with pytest.raises(TypeError, match="flag must be a bool"):
         set_deterministic(1)
+
+
+def test_fingerprint_environment_records_tritons_bit_changing_settings(monkeypatch):
+    """A saved step names the Triton settings that change mambalab's bits, so that two files that differ can be
+    told apart from two machines that ran with other settings."""
+    from mambalab.determinism import step
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    env = step.environment()
+    assert env["triton_env"] == {"TRITON_DEFAULT_FP_FUSION": "0", "TRITON_F32_DEFAULT": None}
+    report = {"fingerprint": "f", "output": "o", "loss": 0.0, "loss_hex": "0x0", "parameters": {}, "seed": 0,
+              "reduction": "deterministic", "kernel_dtype": "float32", "dot_precision": "ieee", "device": "cpu",
+              "size": {}, "emulated": None, "environment": env, "settings": {}}
+    assert "TRITON_DEFAULT_FP_FUSION=0, TRITON_F32_DEFAULT=unset" in step.format_report(report)

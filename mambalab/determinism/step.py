@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 from importlib.metadata import PackageNotFoundError, version as _version
 
@@ -50,8 +51,15 @@ def _version_of(name: str) -> str | None:
         return None
 
 
+#: Triton's environment variables that change the bits of mambalab's own kernels: TRITON_DEFAULT_FP_FUSION decides
+#: whether a multiply and an add fuse into one rounding in every kernel that does not set enable_fp_fusion (none of
+#: mambalab's does; triton/backends/nvidia/compiler.py), TRITON_F32_DEFAULT tl.dot's precision where a kernel passes
+#: none (mambalab's pass one; mamba-ssm's do not). Two machines compared bit for bit must agree on them.
+TRITON_BIT_ENV = ("TRITON_DEFAULT_FP_FUSION", "TRITON_F32_DEFAULT")
+
+
 def environment() -> dict:
-    """The real machine (never an emulated one) and the library versions."""
+    """The real machine (never an emulated one), the library versions and :data:`TRITON_BIT_ENV`'s values."""
     import mambalab
 
     info = device.device_info()
@@ -64,6 +72,7 @@ def environment() -> dict:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
                      "triton": _version_of("triton"), "mamba_ssm": _version_of("mamba-ssm"),
                      "mambalab": mambalab.__version__},
+        "triton_env": {name: os.environ.get(name) for name in TRITON_BIT_ENV},
     }
 
 
@@ -176,6 +185,8 @@ def format_report(report: dict) -> str:
         f"  compute capability: {'.'.join(map(str, env['compute_capability'])) if env['compute_capability'] else '-'}",
         f"  SM count: {env['sm_count'] if env['sm_count'] is not None else '-'}",
         "  versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val is not None),
+        "  Triton's bit-changing settings: " + ", ".join(f"{k}={'unset' if val is None else val}"
+                                                          for k, val in env.get("triton_env", {}).items()),
         "determinism settings in force:",
         *(f"  {k}: {'-' if val is None else val}" for k, val in report["settings"].items()),
     ]
