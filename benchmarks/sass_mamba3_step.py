@@ -6,7 +6,7 @@ SASS instructions × warps a program × programs is the count of warp instructio
 Compute's "issue slots busy" can be read against it. This script records the launcher's own launch at a shape
 (:func:`mambalab.aot.record_launches`), compiles it for sm_90 with Triton's compiler
 (:func:`mambalab.aot.compile_in_subprocess`), assembles the PTX with the ptxas that ships with Triton and lists
-the machine code with its cuobjdump, then counts the instructions by kind:
+the machine code with its cuobjdump (:func:`mambalab.aot.sass`), then counts the instructions by kind:
 
     fp32 math    FFMA FMUL FADD FMNMX (the state update and the read-out: 1 + 3r multiplies a state element)
     special      MUFU (exp, sin, cos, reciprocals of the sigmoids), DMUL (sin and cos's range reduction)
@@ -19,7 +19,8 @@ the machine code with its cuobjdump, then counts the instructions by kind:
     python benchmarks/sass_mamba3_step.py [--batch 64] [--shape H P G N A] [--ranks 1 2 4] [--out FILE]
     python benchmarks/sass_mamba3_step.py --against-sweep benchmarks/results/2026-12-03_h200_mamba3_step_sweep_flat.json
 
-The second form counts every configuration a GPU sweep timed (h32 p64 g1 n128 a32), beside its time.
+The second form counts every configuration a GPU sweep timed, at its batch and heads and --shape's P G N A (the
+default, p64 g1 n128 a32, is the 2026-12-03 sweep's), beside its time.
 
 Both steps import mambalab from this checkout (the directory above benchmarks/).
 """
@@ -30,9 +31,7 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # this checkout's mambalab
@@ -85,21 +84,6 @@ def step_launch(batch: int, h: int, p: int, g: int, n: int, a: int, r: int, conf
     return launches[0], programs, cfg["num_warps"]
 
 
-def sass_of(ptx: str, arch: int = 90) -> str:
-    """The machine code of ``ptx``, assembled by Triton's ptxas and listed by its cuobjdump."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    ptxas = Path(get_ptxas(arch).path)
-    cuobjdump = ptxas.with_name("cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        src.write_text(ptx)
-        subprocess.run([str(ptxas), f"-arch=sm_{arch}{'a' if arch == 90 else ''}", str(src), "-o", str(cubin)],
-                       check=True, capture_output=True)
-        return subprocess.run([str(cuobjdump), "-sass", str(cubin)], check=True, capture_output=True,
-                              text=True).stdout
-
-
 def counts(sass: str) -> collections.Counter:
     """Instructions of a SASS listing by opcode (predicated ones included)."""
     return collections.Counter(INSTRUCTION.findall(sass))
@@ -119,26 +103,28 @@ def count_step(batch, h, p, g, n, a, r, arch=90, config=None) -> dict:
     [compiled] = aot.compile_in_subprocess([launch], arch, keep_ptx=True)
     if compiled.error:
         sys.exit(f"r = {r}: {compiled.error}")
-    ops = counts(sass_of(compiled.ptx, arch))
+    usage, listing = aot.sass(compiled.ptx, arch)
+    ops = counts(listing)
     total = sum(ops.values())
     return dict(r=r, programs=programs, warps_per_program=warps, sass_instructions=total,
                 warp_instructions_per_step=total * warps * programs,
                 warp_instructions_per_1k_state_elements=round(1000 * total * warps * programs / (batch * h * p * n), 1),
                 kinds=by_kind(ops), top_opcodes=dict(ops.most_common(12)),
-                registers=aot.ptxas_usage(compiled.ptx, arch).registers)
+                registers=usage.registers)
 
 
-def against_sweep(path: str, arch: int) -> list[dict]:
+def against_sweep(path: str, shape: tuple[int, int, int, int], arch: int) -> list[dict]:
     """Each configuration a step sweep measured on a GPU (``bench_mamba3.py step-sweep``'s JSON: r, batch,
     heads, BLOCK_P, num_warps, FLAT, STREAM, us; rows of a layout the kernel no longer has are skipped), counted
-    here beside its time, so that the count can be read as a predictor of the time before a GPU is at hand."""
+    here beside its time at the sweep's batch and heads and ``shape`` (p, g, n, a: the file does not record them),
+    so that the count can be read as a predictor of the time before a GPU is at hand."""
     data = json.loads(Path(path).read_text())
     rows = []
     for m in data["rows"]:
         if "r" not in m or m.get("RANK_TILE"):
             continue
         cfg = {k: m[k] for k in ("BLOCK_P", "num_warps", "FLAT", "STREAM")}
-        row = count_step(m["batch"], m["heads"], 64, 1, 128, 32, m["r"], arch, cfg)
+        row = count_step(m["batch"], m["heads"], *shape, m["r"], arch, cfg)
         rows.append(dict(config=cfg, us=m["us"], **{k: row[k] for k in ("r", "sass_instructions",
                                                                           "warp_instructions_per_step", "registers")}))
         print(f"r = {m['r']} {cfg}: {row['warp_instructions_per_step'] / 1e6:6.2f} M warp instructions, "
@@ -159,7 +145,7 @@ def main() -> None:
     args = parser.parse_args()
     h, p, g, n, a = args.shape
     if args.against_sweep:
-        rows = against_sweep(args.against_sweep, args.arch)
+        rows = against_sweep(args.against_sweep, (p, g, n, a), args.arch)
         if args.out:
             Path(args.out).write_text(json.dumps(dict(
                 command="python benchmarks/sass_mamba3_step.py " + " ".join(sys.argv[1:]), arch=f"sm_{args.arch}a",

@@ -24,10 +24,12 @@ functions are interpreted or compiled, so one process cannot do both):
    the interpreter on). :func:`compile_in_subprocess` starts such a process from one with the interpreter
    on, compiles a list of launches there, and returns each one's outcome (Triton's error, if any).
 
-:func:`ptxas_usage` runs the ptxas shipped with Triton on compiled PTX for its registers and spills.
+:func:`ptxas_usage` runs the ptxas shipped with Triton on compiled PTX for its registers and spills;
+:func:`sass` also lists the machine code ptxas made.
 
 Used by ``tests/test_aot_compile.py`` (every kernel compiles for sm_90) and by ``benchmarks/ptxas_ssd.py``
-and ``benchmarks/ptxas_report.py`` (registers and spills before spending GPU time).
+and ``benchmarks/ptxas_report.py`` (registers and spills before spending GPU time), and by
+``benchmarks/sass_mamba3_step.py`` (the machine code, counted).
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ from triton.backends.compiler import GPUTarget
 from mambalab import device
 
 __all__ = ["Compiled", "Launch", "PtxasUsage", "compile_in_subprocess", "compile_launch", "ptxas_usage",
-           "record_launches"]
+           "record_launches", "sass"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,17 +248,36 @@ class PtxasUsage(NamedTuple):
         return f"{self.registers:4d} registers, {self.spilled:5d} bytes spilled"
 
 
-def ptxas_usage(ptx: str, arch: int = 90) -> PtxasUsage:
-    """Assemble ``ptx`` with the ptxas that ships with Triton, verbose, for ``sm_{arch}`` (sm_90a for 90, as
-    Triton compiles for it) and read its register and spill counts. No GPU needed."""
+def _assemble(ptx: str, arch: int, tmp: str) -> tuple[PtxasUsage, Path]:
+    """Assemble ``ptx`` in the folder ``tmp`` with the ptxas that ships with Triton, verbose, for ``sm_{arch}``
+    (sm_90a for 90, as Triton compiles for it): its register and spill counts, and the cubin's path."""
     from triton.backends.nvidia.compiler import get_ptxas
 
     suffix = "a" if arch == 90 else ""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        res = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", str(path),
-                              "-o", str(Path(tmp) / "k.cubin")], capture_output=True, text=True, check=True)
+    path, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
+    path.write_text(ptx)
+    res = subprocess.run([get_ptxas(arch).path, f"-arch=sm_{arch}{suffix}", "-v", str(path), "-o", str(cubin)],
+                         capture_output=True, text=True, check=True)
     regs = re.search(r"Used (\d+) registers", res.stderr)
     spill = re.search(r"(\d+) bytes spill stores", res.stderr)
-    return PtxasUsage(int(regs.group(1)), int(spill.group(1)))
+    return PtxasUsage(int(regs.group(1)), int(spill.group(1))), cubin
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> PtxasUsage:
+    """Assemble ``ptx`` with the ptxas that ships with Triton, verbose, for ``sm_{arch}`` (sm_90a for 90, as
+    Triton compiles for it) and read its register and spill counts. No GPU needed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _assemble(ptx, arch, tmp)[0]
+
+
+def sass(ptx: str, arch: int = 90) -> tuple[PtxasUsage, str]:
+    """:func:`ptxas_usage`'s counts and the machine code (SASS) ptxas made, as the cuobjdump that ships beside
+    Triton's ptxas lists it. No GPU needed."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        usage, cubin = _assemble(ptx, arch, tmp)
+        cuobjdump = Path(get_ptxas(arch).path).with_name("cuobjdump")
+        listing = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
+                                 check=True).stdout
+    return usage, listing

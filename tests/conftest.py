@@ -26,6 +26,18 @@ def kernel_device() -> str:
     return KERNEL_DEVICE
 
 
+def benchmark_module(name: str):
+    """The script benchmarks/<name>.py, imported as a module (benchmarks/ is no package; each script puts what it
+    imports on sys.path itself)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # fp32 kernels dot in tf32 on a GPU (mambalab.device.dot_precision, as mamba-ssm) and exactly on the CPU, so
 # comparisons of an fp32 kernel path with an fp32 PyTorch path use these tolerances.
 FP32_KERNEL_TOL = dict(atol=1e-5, rtol=1e-4) if KERNEL_DEVICE == "cpu" else dict(atol=3e-3, rtol=3e-3)

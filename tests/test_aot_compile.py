@@ -30,7 +30,7 @@ from mambalab.ops.conv_update import causal_conv1d_update
 from mambalab.ops.state_update import selective_state_update
 from mambalab.ref.mamba3 import zero_state
 
-from conftest import make_mamba3_inputs, make_ssd_inputs
+from conftest import benchmark_module, make_mamba3_inputs, make_ssd_inputs
 
 pytestmark = pytest.mark.skipif(not device.interpreter_active(),
                                 reason="records launches through Triton's interpreter (a machine without a GPU); "
@@ -326,13 +326,7 @@ def test_pipelined_loops_keep_their_async_copies(compiled, case):
 def test_sass_counter_reads_opcodes_with_predicates_and_modifiers():
     """benchmarks/sass_mamba3_step.py counts a cuobjdump listing's instructions by opcode: a predicate (@P0, @!P5)
     and modifiers (.FTZ) do not hide one, and the hex words and labels are not counted."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import sass_mamba3_step as sass
-    finally:
-        sys.path.pop(0)
+    sass = benchmark_module("sass_mamba3_step")
     listing = """
         /*0090*/                   FFMA R3, R2, R5, R3 ;                    /* 0x0000000502037223 */
         /*00a0*/              @!P5 FMUL.FTZ R2, RZ, R14 ;                   /* 0x0000000eff02d220 */

@@ -19,6 +19,8 @@ from mambalab import compat, oracle
 from mambalab.determinism import ARCH_PROFILES, library_step
 from mambalab.ops import mamba_split_conv1d_scan_combined
 
+from conftest import benchmark_module
+
 
 def _rel(a, b):
     a, b = a.detach().double(), b.detach().double()
@@ -244,13 +246,5 @@ def test_bench_compat_reads_which_function_transformers_resolved():
     """bench_compat.py records, beside transformers' own fingerprints, the function its fused wrapper resolved at
     import: mamba-ssm's, or its PyTorch path where mamba-ssm did not import then. "unknown" would mean that the
     wrapper's layout (transformers 5.25's integrations/hub_kernels.py) is not the one read."""
-    import sys
-    from pathlib import Path
-
     oracle.load()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    try:
-        import bench_compat
-    finally:
-        sys.path.pop(0)
-    assert bench_compat._transformers_fused_function() in ("mamba_ssm.ops.triton.ssd_combined", "PyTorch")
+    assert benchmark_module("bench_compat")._transformers_fused_function() in ("mamba_ssm.ops.triton.ssd_combined", "PyTorch")

@@ -8,7 +8,7 @@ from mambalab.inference import (DecodeGraph, apply_repetition_penalty, filter_mi
                                 generate, stream)
 from mambalab.modules.lm import LMConfig, MambaLM
 
-from conftest import KERNEL_DEVICE
+from conftest import KERNEL_DEVICE, benchmark_module
 
 CONFIGS = {
     "mamba1": dict(layer="Mamba1", d_state=8, d_model=16, n_layer=1),   # its scan runs the kernel: 1/4 the programs
@@ -136,12 +136,7 @@ def test_cuda_graph_refuses_a_cpu_model():
 
 
 def test_generation_benchmark_runs_on_a_tiny_config():
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_generation.py"
-    spec = importlib.util.spec_from_file_location("bench_generation", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("bench_generation")
     row = bench.main(["--smoke"])["rows"][0]
     assert row["mambalab_eager"]["decode_ms_per_token"] > 0 and row["batch"] == 2
 
