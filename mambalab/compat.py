@@ -3,7 +3,9 @@
 A training script written against mamba-ssm (``Mamba``, ``Mamba2``, ``MambaLMHeadModel``) or transformers
 (``MambaForCausalLM``, ``Mamba2ForCausalLM``) reaches mamba-ssm's kernels through module-level names:
 ``mamba_ssm.modules.mamba2`` calls ``mamba_split_conv1d_scan_combined``, its ``Block`` calls
-``layer_norm_fn``, transformers' ``Mamba2Mixer`` calls ``mamba2_split_conv1d_scan_combined``, and so on. Each
+``layer_norm_fn``, transformers' ``Mamba2Mixer`` calls ``mamba2_split_conv1d_scan_combined`` (or, with a
+cache, which its config's default ``use_cache=True`` builds in training too, ``causal_conv1d_fn`` and
+``mamba2_chunk_scan``), and so on. Each
 module looks the name up in its own globals when it runs, so rebinding that global, in every module that
 holds it (the one that defines it and the ones that imported it by name), routes the call::
 

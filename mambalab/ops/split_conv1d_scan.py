@@ -1,7 +1,9 @@
 """Mamba-2's whole mixer after the input projection, as mamba-ssm's ``mamba_split_conv1d_scan_combined``.
 
 mamba-ssm's ``Mamba2`` block trains through this one function by default (``use_mem_eff_path=True``), and so
-does transformers' ``Mamba2Mixer`` on a GPU. For the projected input zxbcdt (b, l, ·) it computes, with
+does transformers' ``Mamba2Mixer`` on a GPU when the forward builds no cache (``use_cache=False``; with the
+config's default ``use_cache=True`` it runs ``causal_conv1d_fn`` and ``mamba2_chunk_scan`` instead). For the
+projected input zxbcdt (b, l, ·) it computes, with
 d = h · p the SSD's channels, g groups of B and C of n each, and d_mlp ≥ 0 channels of a gated MLP beside
 the SSD (d_mlp is what zxbcdt holds beyond the SSD's parts, halved):
 
