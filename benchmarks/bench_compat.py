@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -87,6 +88,12 @@ def _transformers_fused_function() -> str:
     return "PyTorch" if not cells.get("is_new_implementation") else getattr(cells["implementation"], "__module__", "?")
 
 
+def _file_name(model: str) -> str:
+    """A model's name as a file name: "transformers.Mamba2ForCausalLM(use_cache=False)" gives
+    "transformers_Mamba2ForCausalLM_use_cache_False"."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_")
+
+
 def fingerprints(out: Path) -> dict:
     from mambalab import oracle
     from mambalab.determinism import library_step, step
@@ -102,7 +109,7 @@ def fingerprints(out: Path) -> dict:
             row["transformers_fused_function"] = _transformers_fused_function()
         try:
             first, mine = library_step.run(model, size="gpu", return_tensors=True)
-            step.save_step(out / f"{tag}_{model.replace('.', '_')}.pt", first, _grads(mine))
+            step.save_step(out / f"{tag}_{_file_name(model)}.pt", first, _grads(mine))
             again = library_step.run(model, size="gpu")["fingerprint"]
             emulated = [library_step.run(model, size="gpu", emulate_profile=p)["fingerprint"] for p in PROFILES]
             row.update(routed_fingerprint=first["fingerprint"],
@@ -123,7 +130,7 @@ def fingerprints(out: Path) -> dict:
                 finally:
                     torch.use_deterministic_algorithms(False)
                 row.update(_patterns("own_with_torch_deterministic", det, det_emulated))
-            step.save_step(out / f"{tag}_{model.replace('.', '_')}_own_{_mode()}.pt", r, _grads(t))
+            step.save_step(out / f"{tag}_{_file_name(model)}_own_{_mode()}.pt", r, _grads(t))
             row["max_rel_diff_routed_vs_own"] = max(_rel(mine[k], t[k]) for k in mine)
         except Exception as err:   # keep what was measured; say what failed
             row["error"] = f"{type(err).__name__}: {err}"[:400]

@@ -221,10 +221,11 @@ def test_routed_library_models_repeat_bit_for_bit_and_do_not_read_the_sm_count(m
     assert len(runs[0]["parameters"]) >= 5 and runs[0]["routed"] is True
 
 
-def test_routed_transformers_model_matches_its_own_path_within_rounding():
+@pytest.mark.parametrize("model", [m for m in library_step.MODELS if m.startswith("transformers.")])
+def test_routed_transformers_model_matches_its_own_path_within_rounding(model):
     """Routed against transformers' own computation: on a CPU its PyTorch path (mamba-ssm's models need its
-    CUDA or Triton kernels for their own path: tests/test_compat_gpu.py compares those on a GPU)."""
-    model = "transformers.Mamba2ForCausalLM"
+    CUDA or Triton kernels for their own path: tests/test_compat_gpu.py compares those on a GPU). With the cache
+    the mixers call the conv and the chunked scan, without it the fused function: both are routed."""
     _, mine = library_step.run(model, return_tensors=True)
     _, theirs = library_step.run(model, routed=False, return_tensors=True)
     assert mine.keys() == theirs.keys()

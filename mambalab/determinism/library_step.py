@@ -7,7 +7,10 @@ small enough for Triton's interpreter, ``gpu`` a few layers of realistic widths)
 
 * ``mamba_ssm.Mamba2``, ``mamba_ssm.Mamba``: one block; loss = mean((block(u) - target)²);
 * ``mamba_ssm.MambaLMHeadModel`` (Mamba-2 layers), ``transformers.Mamba2ForCausalLM``: a language model;
-  loss = cross-entropy of the next token on random ids.
+  loss = cross-entropy of the next token on random ids. transformers' model twice: with its config's default
+  ``use_cache=True``, which builds a cache in training too, so its mixers call ``causal_conv1d_fn`` and
+  ``mamba2_chunk_scan`` and its own PyTorch gated norm; and with ``use_cache=False`` (what a script that turns the
+  cache off for training runs), where they call the fused ``mamba2_split_conv1d_scan_combined``.
 
 Parameters, inputs and targets are drawn on the CPU from the seed and moved to the device, so every machine
 starts from the same bits. :func:`run` returns a report (fingerprints of every gradient, of all of them in
@@ -32,7 +35,8 @@ from mambalab.determinism.switch import Settings
 
 __all__ = ["MODELS", "SIZES", "build", "run"]
 
-MODELS = ("mamba_ssm.Mamba2", "mamba_ssm.Mamba", "mamba_ssm.MambaLMHeadModel", "transformers.Mamba2ForCausalLM")
+MODELS = ("mamba_ssm.Mamba2", "mamba_ssm.Mamba", "mamba_ssm.MambaLMHeadModel", "transformers.Mamba2ForCausalLM",
+          "transformers.Mamba2ForCausalLM(use_cache=False)")
 
 #: The two sizes a step runs at (fingerprints compare only at one size).
 SIZES = {
@@ -84,7 +88,8 @@ def build(model: str, size: str = "cpu", seed: int = 0, dev: torch.device | str 
 
         config = Mamba2Config(hidden_size=s["d_model"], num_hidden_layers=s["n_layer"], vocab_size=s["vocab_size"],
                               state_size=s["d_state"], head_dim=s["headdim"], num_heads=2 * s["d_model"] // s["headdim"],
-                              n_groups=1, expand=2, chunk_size=s["chunk_size"])
+                              n_groups=1, expand=2, chunk_size=s["chunk_size"],
+                              use_cache=not model.endswith("(use_cache=False)"))
         net = Mamba2ForCausalLM(config)
     return net.to(dev or device.DEVICE).train()
 
