@@ -23,8 +23,9 @@ class DecodeGraph:
     The graph owns its decoding cache, :attr:`params`: :func:`~mambalab.inference.generate.stream` prefills every
     sequence into those state tensors (the prefill writes them in place), and the graph, recorded on the first
     decode step, replays on them for this and every later sequence of the same batch size. The states of a
-    Mamba model have a fixed size, so one recording serves every prompt and output length, as mamba-ssm's
-    cached graph does. :meth:`for_model` keeps one per batch size on the model. Needs a CUDA model."""
+    Mamba model have a fixed size, so one recording serves every prompt and output length (mamba-ssm's graph
+    cache, ``update_graph_cache`` in ``mamba_ssm/utils/generation.py``, records again whenever prompt plus new
+    tokens exceed the length it recorded for). :meth:`for_model` keeps one per batch size on the model. Needs a CUDA model."""
 
     def __init__(self, model, batch_size: int, warmup: int = 2):
         if not torch.cuda.is_available() or next(model.parameters()).device.type != "cuda":
