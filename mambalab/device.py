@@ -100,9 +100,137 @@ def _vectorise_interpreter_scan() -> None:
     scan_ops.generic_scan = generic_scan
 
 
+def _vectorise_interpreter_reduce() -> None:
+    """Make the interpreter's ``tl.reduce`` with a user-defined combine step along the reduced axis, not element
+    by element.
+
+    Triton 3.6's interpreter reduces with any combine but its own sum, min, max and argmin/argmax one element at a
+    time in Python; ``tl.flip`` is such a reduction (an xor over a reshaped tile), and the selective scan's backward
+    flips tiles in its loop over n. This replacement applies the same combine function in the same sequential
+    order along the axis, to whole slices across the other axes at once, and stores each result in the input's
+    dtype as the original does, so the results are identical. It patches only the interpreter (never compiled GPU
+    code), and leaves triton untouched if its internals are not the ones expected.
+    """
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as interp
+        import triton.language as tl
+    except Exception:  # pragma: no cover - triton missing or reorganised
+        return
+    reduce_ops = getattr(interp, "ReduceOps", None)
+    if reduce_ops is None or not all(hasattr(reduce_ops, name) for name in ("generic_reduce", "unravel", "to_tensor")):
+        return
+
+    def generic_reduce(self, input):
+        original_axis = self.axis
+        input, axis = self.unravel(input, self.axis)
+        datas = [arg.handle.data for arg in input]
+        dtypes = [arg.dtype for arg in input]
+        acc = [np.take(x, 0, axis=axis) for x in datas]
+        for k in range(1, datas[0].shape[axis]):
+            left = [self.to_tensor(a, dt) for a, dt in zip(acc, dtypes)]
+            right = [self.to_tensor(np.take(x, k, axis=axis), dt) for x, dt in zip(datas, dtypes)]
+            ret = self.combine_fn.fn(*left, *right)
+            ret = ret if isinstance(ret, tuple) else (ret,)
+            acc = [_as_slice(r.handle.data if isinstance(r, tl.core.tensor) else r, a) for r, a in zip(ret, acc)]
+        out = []
+        for data, dt in zip(acc, dtypes):
+            if self.keep_dims:
+                data = np.expand_dims(data, axis) if original_axis is not None else data.reshape((1,) * datas[0].ndim)
+            elif original_axis is None:
+                data = data.item()
+            out.append(self.to_tensor(data, dt))
+        return out
+
+    def _as_slice(value, like):
+        """``value`` (a combine's result) with ``like``'s shape and dtype."""
+        value = np.asarray(value)
+        value = value.reshape(like.shape) if value.size == like.size else np.broadcast_to(value, like.shape)
+        return value.astype(like.dtype)
+
+    generic_reduce.__wrapped__ = reduce_ops.generic_reduce
+    reduce_ops.generic_reduce = generic_reduce
+
+
+def _patch_triton_language_once_a_launch() -> None:
+    """Patch ``triton.language`` for a ``@triton.jit`` function called inside a kernel once a launch, not at every
+    call.
+
+    Triton 3.6's interpreter swaps triton.language's functions for interpreted ones when a launch starts, and again
+    at every call of a jit function inside the kernel (``tl.sum``, ``tl.cumsum``, ``tl.flip`` and ``tl.sigmoid`` are
+    such functions): each time it walks every member of triton.language, its tensor class and its math module,
+    about a tenth of the selective scan's time on the CPU. A call's patch stays in force until the launch ends
+    (nothing undoes it before), so a second call of the same function in the same launch would only set the same
+    attributes again; it runs the function straight away instead. It patches only the interpreter (never compiled
+    GPU code), and leaves triton untouched if its internals are not the ones expected.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:  # pragma: no cover - triton missing or reorganised
+        return
+    executor, function = getattr(interp, "GridExecutor", None), getattr(interp, "InterpretedFunction", None)
+    if executor is None or function is None or not hasattr(function, "rewrite") or not hasattr(interp, "_patch_lang"):
+        return
+    launch, call = executor.__call__, function.__call__
+    patched: set = set()   # the jit functions whose patch is in force in the launch running now
+
+    def run_launch(self, *args, **kwargs):
+        patched.clear()
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.clear()
+
+    def call_in_kernel(self, *args, **kwargs):
+        if self.fn not in patched:
+            patched.add(self.fn)
+            return call(self, *args, **kwargs)
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise interp.InterpreterError(repr(e)) from e
+
+    run_launch.__wrapped__, call_in_kernel.__wrapped__ = launch, call
+    executor.__call__, function.__call__ = run_launch, call_in_kernel
+
+
+def _build_interpreter_dtypes_once() -> None:
+    """Remember the interpreter's numpy dtype for each Triton type instead of deriving it again.
+
+    Triton 3.6's interpreter maps a Triton type to a numpy dtype (``_get_np_dtype``) on every operand of every
+    operation, building a 19-entry table each time: about a sixth of a selective-scan test's time on the CPU. The
+    mapping depends on the type alone, which its class and name identify (a block's name holds its shape and
+    element type, a pointer's its element type; every pointer maps to uint64), so each type's answer is computed
+    once by triton's own function and reused. It patches only the interpreter, and leaves triton untouched if its
+    internals are not the ones expected.
+    """
+    try:
+        from triton.runtime import interpreter as interp
+    except Exception:  # pragma: no cover - triton missing or reorganised
+        return
+    derive = getattr(interp, "_get_np_dtype", None)
+    if derive is None:
+        return
+    known: dict = {}
+
+    def _get_np_dtype(tt_dtype):
+        key = (type(tt_dtype), getattr(tt_dtype, "name", None))
+        answer = known.get(key)
+        if answer is None:
+            known[key] = answer = derive(tt_dtype)
+        return answer
+
+    _get_np_dtype.__wrapped__ = derive
+    interp._get_np_dtype = _get_np_dtype
+
+
 _switch_on_interpreter_if_needed()
 if os.environ.get("TRITON_INTERPRET") == "1":
     _vectorise_interpreter_scan()
+    _vectorise_interpreter_reduce()
+    _patch_triton_language_once_a_launch()
+    _build_interpreter_dtypes_once()
 
 #: The device that notebooks and examples put their tensors on.
 DEVICE = torch.device("cuda" if gpu_available() else "cpu")

@@ -9,6 +9,24 @@ import torch
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist, give each worker's PyTorch its share of the cores (at least one thread), and the processes
+    it starts (notebook kernels, torchrun ranks, the CLI) the same through OMP_NUM_THREADS. With every worker
+    running as many threads as there are cores, the threads of one operation wait for a core another worker holds:
+    on two cores with two workers, chapter 06's JupyterLab run took 100 s instead of 86 s, and tests/test_cli.py
+    73 s instead of 57 s. An OMP_NUM_THREADS already set is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores()
+
 # transformers binds mamba-ssm's kernels when its Mamba modules are first imported, if `import mamba_ssm`
 # works at that moment. mambalab.oracle makes it work without mamba-ssm's CUDA extension (a stand-in module
 # whose every op raises), so once any test has loaded the oracle, transformers' Mamba would call CUDA-only
@@ -300,6 +318,23 @@ def executed_notebook(request, tmp_path_factory, lab_executed):
         yield executed
     finally:
         pool.shutdown(wait=True, cancel_futures=True)   # the notebook executing now finishes; none starts
+
+
+@pytest.fixture(scope="session")
+def rendered_page(tmp_path_factory):
+    """``rendered_page(executed)``: the executed notebook at ``executed`` rendered as ``./run.sh workbook`` renders
+    it (:func:`mambalab.workbook.render_html`), once a session; returns the page's path. The tests that check a
+    chapter's page (tests/test_notebooks.py, tests/browser/) read that one rendering of its one execution."""
+    from mambalab import workbook
+
+    pages: dict = {}
+
+    def rendered(executed: Path) -> Path:
+        if executed not in pages:
+            pages[executed] = workbook.render_html(executed, tmp_path_factory.mktemp("pages"))
+        return pages[executed]
+
+    return rendered
 
 
 def _saved_by_lab(path: Path, lab_executed: dict) -> Path:

@@ -95,6 +95,8 @@ def _ssd_packed(dtype, reduction="deterministic", h=4, p=16, g=2, n=16, chunk=16
 
 
 def _scan_minimal(kind, block_d, block_l=32):
+    """bf16 inputs at chapter 01's GPU tiles (its MIN_BLOCK_D_LOOP, MIN_BLOCK_D_ASSOC, MIN_BLOCK_L = 32, 4, 32):
+    the launches its minimal kernels make on a GPU."""
     from mambalab.kernels.selective_scan_minimal import selective_scan_minimal
     b, d, n, l = 2, 64, 16, 96
     u, delta = torch.randn(b, d, l, dtype=torch.bfloat16), torch.rand(b, d, l, dtype=torch.bfloat16)

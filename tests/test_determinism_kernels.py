@@ -84,13 +84,21 @@ def scan_case():
     return scan_inputs(2, 4, 8, 24, 2), dout
 
 
+@pytest.fixture(scope="module")
+def plain_fingerprints(ssd_case, scan_case):
+    """The deterministic SSD's and the selective scan's fingerprints on their cases, run plainly (no emulation,
+    the hardware's program order, the reduction's default grid): what every other run must give."""
+    inp, dout, dfinal = ssd_case
+    return ssd_fingerprints(inp, "deterministic", dout, dfinal), scan_fingerprints(*scan_case)
+
+
 # ---------------------------------------------------------------------------------------- every machine, every order
-def test_ssd_deterministic_same_bits_on_every_profile_and_program_order(ssd_case):
+def test_ssd_deterministic_same_bits_on_every_profile_and_program_order(ssd_case, plain_fingerprints):
     """One fingerprint per gradient across: a plain run, a repeat, and each emulated GPU under its own
     (simulated) program order. Emulation is checked to be in force (mamba-ssm's SM-count read), and
     mambalab's op is checked never to ask for the device's properties."""
     inp, dout, dfinal = ssd_case
-    runs = {"plain": ssd_fingerprints(inp, "deterministic", dout, dfinal),
+    runs = {"plain": plain_fingerprints[0],
             "again": ssd_fingerprints(inp, None, dout, dfinal)}             # None: the switch's default
     for seed, (key, prof) in enumerate(ARCH_PROFILES.items()):
         with emulate(key), program_order(seed), mambalab_property_reads() as readers:
@@ -118,9 +126,9 @@ def test_ssd_atomic_varies_under_the_simulated_scheduler(ssd_case):
         assert len({r[name] for r in atomic}) == 1, name
 
 
-def test_selective_scan_same_bits_on_every_profile_and_program_order(scan_case):
+def test_selective_scan_same_bits_on_every_profile_and_program_order(scan_case, plain_fingerprints):
     inp, dout = scan_case
-    runs = {"plain": scan_fingerprints(inp, dout), "again": scan_fingerprints(inp, dout)}
+    runs = {"plain": plain_fingerprints[1], "again": scan_fingerprints(inp, dout)}
     for seed, key in enumerate(ARCH_PROFILES):
         with emulate(key), program_order(100 + seed), mambalab_property_reads() as readers:
             runs[key] = scan_fingerprints(inp, dout)
@@ -131,15 +139,16 @@ def test_selective_scan_same_bits_on_every_profile_and_program_order(scan_case):
 
 # ---------------------------------------------------------------------------------------------- launch grids
 @pytest.mark.parametrize("block_inner", [16])
-def test_reduction_grid_does_not_change_the_bits(block_inner, ssd_case, scan_case, monkeypatch):
+def test_reduction_grid_does_not_change_the_bits(block_inner, ssd_case, scan_case, plain_fingerprints,
+                                                monkeypatch):
     """The shared reduction's grid (programs over the inner dimension, BLOCK_INNER each) is the one launch knob
     the backwards have; the order of its adds is fixed by the shape, so the bits do not move with it."""
     inp, dout, dfinal = ssd_case
     sinp, sdout = scan_case
-    want = ssd_fingerprints(inp, "deterministic", dout, dfinal), scan_fingerprints(sinp, sdout)
+    assert block_inner != reduce.BLOCK_INNER    # the plain runs used the default grid
     monkeypatch.setattr(reduce, "BLOCK_INNER", block_inner)
     got = ssd_fingerprints(inp, "deterministic", dout, dfinal), scan_fingerprints(sinp, sdout)
-    assert got == want
+    assert got == plain_fingerprints
 
 
 # ---------------------------------------------------------------------------------------------- batch invariance

@@ -24,7 +24,7 @@ NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))  # globbed at collection: a ne
 
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_renders_offline(path, tmp_path, executed_notebook):
+def test_notebook_runs_and_renders_offline(path, executed_notebook, rendered_page):
     executed = executed_notebook(path)  # raises PapermillExecutionError for a failed cell, whoever ran it
     nb = nbformat.read(executed, as_version=4)
     errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
@@ -32,7 +32,7 @@ def test_notebook_runs_and_renders_offline(path, tmp_path, executed_notebook):
     injected = [c for c in nb.cells if "injected-parameters" in c.metadata.get("tags", [])]
     assert (_assigned(injected[0].source) if injected else {}) == smaller_sizes(path), \
         f"{path.name}: the executed copy's injected sizes differ from tests/conftest.py's"
-    page = workbook.render_html(executed, tmp_path / "html")
+    page = rendered_page(executed)
     assert workbook.offline_figure_problems(executed, page.read_text(encoding="utf-8")) == []
 
 

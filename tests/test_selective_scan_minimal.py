@@ -50,18 +50,3 @@ def test_refuses_grouped_B_and_an_unknown_kind():
         selective_scan_minimal(u, delta, A, B.unsqueeze(1), C)
     with pytest.raises(ValueError, match="kind must be"):
         selective_scan_minimal(u, delta, A, B, C, kind="fast")
-
-
-@pytest.mark.skipif(not mambalab.device.interpreter_active(),
-                    reason="records launches through Triton's interpreter (a machine without a GPU)")
-def test_both_kernels_compile_for_sm90_at_the_chapters_gpu_tiles(tmp_path):
-    # The interpreter never compiles: compile what chapter 01 launches on a GPU (bf16 inputs, its tiles).
-    from mambalab import aot
-
-    b, d, n, l = 2, 64, 16, 256
-    u, delta, A, B, C = (x.to(torch.bfloat16) if x.dim() == 3 else x for x in _inputs(b, d, n, l))
-    launches = aot.record_launches(selective_scan_minimal, u, delta, A, B, C, kind="loop", block_d=32)
-    launches += aot.record_launches(selective_scan_minimal, u, delta, A, B, C, kind="assoc", block_d=4, block_l=32)
-    results = aot.compile_in_subprocess(launches, arch=90, cache_dir=tmp_path)
-    assert len(results) == 2
-    assert all(r.error is None for r in results), [r.error for r in results]

@@ -56,8 +56,9 @@ from mambalab.kernels.reduce import sum_partials
 ROWS_PER_PROGRAM = 64   # backward rows a program: P = cdiv(M, 64) partials of dw, db; part of the sums' order
 FWD_TILE = 4096         # forward tile elements: BLOCK_M = FWD_TILE // BLOCK (row, group) pairs (1 to 64) a program
 # tl.sum(v, axis) is tl.reduce(v, axis, _sum_combine) inside a @triton.jit wrapper, and tl.sigmoid(z) is
-# 1 / (1 + exp(-z)) inside one: the same code compiled, but Triton's interpreter re-patches triton.language on
-# every call of a jit function, which costs the CPU tests more than the kernels' work, so the kernels spell them out.
+# 1 / (1 + exp(-z)) inside one: the same code compiled, but Triton's interpreter patches triton.language at every
+# call of a jit function (once a launch under mambalab.device's patch), so on the CPU each call costs more than
+# the work it does, and the kernels spell them out.
 BWD_TILE = 2048         # backward tile elements: GROUPS = BWD_TILE // BLOCK groups (1 to G) of a row a program
 
 

@@ -12,7 +12,8 @@ For every notebook in notebooks/:
 * every plotly slider in the page changes its figure when clicked to another step;
 * every widget shows a static form (no widget view is left waiting for a widget manager).
 
-The notebooks are executed once per test session, shared with tests/test_notebooks.py and the JupyterLab runs.
+The notebooks are executed and rendered once per test session, shared with tests/test_notebooks.py and the
+JupyterLab runs.
 """
 from __future__ import annotations
 
@@ -22,8 +23,6 @@ from pathlib import Path
 
 import nbformat
 import pytest
-
-from mambalab import workbook
 
 pytestmark = pytest.mark.browser
 
@@ -99,10 +98,10 @@ class ExportedPage:
 
 
 @pytest.fixture(scope="module", params=NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def exported_page(request, executed_notebook, offline_context, tmp_path_factory):
+def exported_page(request, executed_notebook, rendered_page, offline_context):
     """The notebook's page, exported and opened offline (an :class:`ExportedPage`)."""
     executed = executed_notebook(request.param)
-    html = workbook.render_html(executed, tmp_path_factory.mktemp("pages"))
+    html = rendered_page(executed)
     before = len(offline_context.requests)
     page = offline_context.new_page()
     offline_context.allowed.add(html.as_uri())

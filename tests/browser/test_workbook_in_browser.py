@@ -277,10 +277,10 @@ def _drag_handle(page, slider) -> None:
     page.mouse.up()
 
 
-def test_rendered_html_shows_figures_offline(ran_notebook, browser_context, blocked_requests, tmp_path):
+def test_rendered_html_shows_figures_offline(ran_notebook, browser_context, blocked_requests, rendered_page):
     """The notebook as JupyterLab saved it, rendered as ``./run.sh workbook`` renders it, opened in the same
     browser with every request off this machine aborted: every figure is drawn."""
-    page_path = workbook.render_html(ran_notebook.saved, tmp_path)
+    page_path = rendered_page(ran_notebook.saved)
     assert workbook.offline_figure_problems(ran_notebook.saved, page_path.read_text(encoding="utf-8")) == []
     saved = json.loads(ran_notebook.saved.read_text(encoding="utf-8"))
     # A figure output: plotly's mimetype, or HTML holding a plotly div (a widget's static stand-in, say).
