@@ -10,7 +10,9 @@ small enough for Triton's interpreter, ``gpu`` a few layers of realistic widths)
   loss = cross-entropy of the next token on random ids. transformers' model twice: with its config's default
   ``use_cache=True``, which builds a cache in training too, so its mixers call ``causal_conv1d_fn`` and
   ``mamba2_chunk_scan`` and its own PyTorch gated norm; and with ``use_cache=False`` (what a script that turns the
-  cache off for training runs), where they call the fused ``mamba2_split_conv1d_scan_combined``.
+  cache off for training runs), where they call the fused ``mamba2_split_conv1d_scan_combined`` (routed: mambalab's;
+  not routed: mamba-ssm's on a GPU, while on a CPU transformers' wrapper returns None and the mixer takes the
+  unfused path).
 
 Parameters, inputs and targets are drawn on the CPU from the seed and moved to the device, so every machine
 starts from the same bits. :func:`run` returns a report (fingerprints of every gradient, of all of them in
