@@ -53,6 +53,34 @@ def _switch_on_interpreter_if_needed() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+def _along(axis: int, k: int) -> tuple:
+    """The index of position k along ``axis``, the axis kept (length 1)."""
+    return (slice(None),) * axis + (slice(k, k + 1),)
+
+
+def _fold_along(ops, datas: list, dtypes: list, axis: int, each=None) -> list:
+    """Triton's interpreter's combine step (``ops.combine_fn``, a user-defined ``@triton.jit`` function) folded
+    over ``datas``' ``axis`` in order, position 0 first, on whole slices across the other axes at once: the final
+    accumulators, numpy arrays with the axis kept (length 1) in each input's dtype. ``each(k, acc)`` sees the
+    accumulators after position k (a scan keeps them all)."""
+    import numpy as np
+    import triton.language as tl
+
+    acc = [x[_along(axis, 0)] for x in datas]
+    if each is not None:
+        each(0, acc)
+    for k in range(1, datas[0].shape[axis]):
+        left = [ops.to_tensor(a, dt) for a, dt in zip(acc, dtypes)]
+        right = [ops.to_tensor(x[_along(axis, k)], dt) for x, dt in zip(datas, dtypes)]
+        ret = ops.combine_fn.fn(*left, *right)
+        ret = ret if isinstance(ret, tuple) else (ret,)
+        acc = [np.broadcast_to(r.handle.data if isinstance(r, tl.core.tensor) else r, a.shape).astype(a.dtype)
+               for r, a in zip(ret, acc)]
+        if each is not None:
+            each(k, acc)
+    return acc
+
+
 def _vectorise_interpreter_scan() -> None:
     """Make the interpreter's ``tl.associative_scan`` step along the scanned axis, not element by element.
 
@@ -65,7 +93,6 @@ def _vectorise_interpreter_scan() -> None:
     try:
         import numpy as np
         from triton.runtime import interpreter as interp
-        import triton.language as tl
     except Exception:  # pragma: no cover - triton missing or reorganised
         return
     scan_ops = getattr(interp, "ScanOps", None)
@@ -75,26 +102,13 @@ def _vectorise_interpreter_scan() -> None:
     def generic_scan(self, input):
         datas = [arg.handle.data for arg in input]
         dtypes = [arg.dtype for arg in input]
-        axis, size = self.axis, datas[0].shape[self.axis]
         outs = [np.empty_like(x) for x in datas]
 
-        def at(x, k):
-            index = [slice(None)] * x.ndim
-            index[axis] = slice(k, k + 1)
-            return tuple(index)
-
-        acc = [x[at(x, 0)] for x in datas]
-        for o, a in zip(outs, acc):
-            o[at(o, 0)] = a
-        for k in range(1, size):
-            left = [self.to_tensor(a, dt) for a, dt in zip(acc, dtypes)]
-            right = [self.to_tensor(x[at(x, k)], dt) for x, dt in zip(datas, dtypes)]
-            ret = self.combine_fn.fn(*left, *right)
-            ret = ret if isinstance(ret, tuple) else (ret,)
-            acc = [np.broadcast_to(r.handle.data if isinstance(r, tl.core.tensor) else r, a.shape).astype(a.dtype)
-                   for r, a in zip(ret, acc)]
+        def keep(k, acc):
             for o, a in zip(outs, acc):
-                o[at(o, k)] = a
+                o[_along(self.axis, k)] = a
+
+        _fold_along(self, datas, dtypes, self.axis, keep)
         return [self.to_tensor(o, dt) for o, dt in zip(outs, dtypes)]
 
     scan_ops.generic_scan = generic_scan
@@ -112,9 +126,7 @@ def _vectorise_interpreter_reduce() -> None:
     code), and leaves triton untouched if its internals are not the ones expected.
     """
     try:
-        import numpy as np
         from triton.runtime import interpreter as interp
-        import triton.language as tl
     except Exception:  # pragma: no cover - triton missing or reorganised
         return
     reduce_ops = getattr(interp, "ReduceOps", None)
@@ -123,30 +135,17 @@ def _vectorise_interpreter_reduce() -> None:
 
     def generic_reduce(self, input):
         original_axis = self.axis
-        input, axis = self.unravel(input, self.axis)
-        datas = [arg.handle.data for arg in input]
+        input, axis = self.unravel(input, self.axis)   # axis None: the input flattened, axis 0
         dtypes = [arg.dtype for arg in input]
-        acc = [np.take(x, 0, axis=axis) for x in datas]
-        for k in range(1, datas[0].shape[axis]):
-            left = [self.to_tensor(a, dt) for a, dt in zip(acc, dtypes)]
-            right = [self.to_tensor(np.take(x, k, axis=axis), dt) for x, dt in zip(datas, dtypes)]
-            ret = self.combine_fn.fn(*left, *right)
-            ret = ret if isinstance(ret, tuple) else (ret,)
-            acc = [_as_slice(r.handle.data if isinstance(r, tl.core.tensor) else r, a) for r, a in zip(ret, acc)]
+        acc = _fold_along(self, [arg.handle.data for arg in input], dtypes, axis)   # the axis kept, of length 1
         out = []
         for data, dt in zip(acc, dtypes):
-            if self.keep_dims:
-                data = np.expand_dims(data, axis) if original_axis is not None else data.reshape((1,) * datas[0].ndim)
-            elif original_axis is None:
-                data = data.item()
+            if original_axis is None:
+                data = data if self.keep_dims else data.item()
+            elif not self.keep_dims:
+                data = data.squeeze(axis)
             out.append(self.to_tensor(data, dt))
         return out
-
-    def _as_slice(value, like):
-        """``value`` (a combine's result) with ``like``'s shape and dtype."""
-        value = np.asarray(value)
-        value = value.reshape(like.shape) if value.size == like.size else np.broadcast_to(value, like.shape)
-        return value.astype(like.dtype)
 
     generic_reduce.__wrapped__ = reduce_ops.generic_reduce
     reduce_ops.generic_reduce = generic_reduce

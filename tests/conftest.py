@@ -13,9 +13,9 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _share_the_cores() -> None:
     """Under pytest-xdist, give each worker's PyTorch its share of the cores (at least one thread), and the processes
     it starts (notebook kernels, torchrun ranks, the CLI) the same through OMP_NUM_THREADS. With every worker
-    running as many threads as there are cores, the threads of one operation wait for a core another worker holds:
-    on two cores with two workers, chapter 06's JupyterLab run took 100 s instead of 86 s, and tests/test_cli.py
-    73 s instead of 57 s. An OMP_NUM_THREADS already set is kept."""
+    running as many threads as there are cores, the threads of one operation wait for a core another worker holds
+    (chapter 06's JupyterLab run and tests/test_cli.py, which start processes, slow most). An OMP_NUM_THREADS
+    already set is kept."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers < 2 or "OMP_NUM_THREADS" in os.environ:
         return
