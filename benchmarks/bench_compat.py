@@ -16,7 +16,7 @@
         common.time_ms.
     python benchmarks/bench_compat.py profile [--routed-only] --out FILE    that step under torch.profiler, routed
         and mamba-ssm's own (or the routed one alone: no causal_conv1d package needed): the operators and kernels
-        that take the time.
+        that take the time, and the call sites of the routed step's fills, copies and cats (common.call_sites).
 
 gpu_run.sh's `compat` step runs the fingerprints and `compat-speed` the speed, once per mamba-ssm mode, one process
 each.
@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, profile_table, time_ms, write  # noqa: E402
+from common import call_sites, environment, profile_table, time_ms, write  # noqa: E402
 
 PROFILES = ("rtx4090", "rtxa6000")
+GLUE = ("aten::fill_", "aten::copy_", "aten::cat")   # PyTorch's own work between the kernels, traced to its callers
 
 
 def _mode() -> str:
@@ -188,12 +189,17 @@ def profile(routed_only: bool = False) -> dict:
     own = None if routed_only else profile_table(train_step, steps=2, rows=25)
     with use_mambalab_kernels():
         routed = profile_table(train_step, steps=2, rows=40 if routed_only else 25)
+        glue = call_sites(train_step, GLUE)
     for side, table in (("routed", routed), ("mamba_ssm", own or [])):
         print(f"--- {side} ({_mode()} mode): ms a step, calls a step, operator or kernel")
         for r in table:
             print(f"{r['self_ms_per_step']:9.2f} {r['calls_per_step']:7.0f}  {r['name'][:110]}")
+    print("--- routed: where PyTorch's fills, copies and cats are called from (ms a step, calls a step)")
+    for r in glue[:20]:
+        print(f"{r['ms_per_step']:9.2f} {r['calls_per_step']:7.0f}  {r['name']}  " + " < ".join(r["site"][:4])[:300])
     return dict(environment=environment(), command=f"bench_compat.py profile{' --routed-only' if routed_only else ''} "
-                                                   f"(mamba-ssm {_mode()} mode)", routed=routed, mamba_ssm=own)
+                                                   f"(mamba-ssm {_mode()} mode)", routed=routed, mamba_ssm=own,
+                routed_glue=glue)
 
 
 def main() -> None:

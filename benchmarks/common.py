@@ -95,6 +95,41 @@ def profile_table(fn, steps: int = 3, rows: int = 30) -> list[dict]:
             for e in events[:rows] if getattr(e, key) > 0]
 
 
+def call_sites(fn, names: tuple[str, ...], steps: int = 1, depth: int = 6) -> list[dict]:
+    """Where the operators ``names`` (``aten::fill_``) are called from in ``fn``: torch.profiler with Python stacks
+    over ``steps`` calls (after one warm-up call), one row per operator and call site, largest first: the calls
+    and the device time (CPU time without a GPU) a call of ``fn``, and the site, innermost first: up to ``depth``
+    enclosing Python frames outside torch itself and, in a backward, the autograd node that ran it
+    (``autograd::engine::evaluate_function: SplitWithSizesBackward0``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(steps):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.name not in names:
+            continue
+        site, parent = [], e.cpu_parent
+        while parent is not None and len(site) < depth:
+            if parent.name in names:   # a fill inside a listed copy counts once, as the copy
+                break
+            if parent.name.startswith("autograd::engine") or (".py(" in parent.name and "torch/" not in parent.name):
+                site.append(parent.name)
+            parent = parent.cpu_parent
+        else:
+            row = rows.setdefault((e.name, tuple(site)), {"name": e.name, "site": site, "calls_per_step": 0.0,
+                                                         "ms_per_step": 0.0})
+            row["calls_per_step"] += 1 / steps
+            row["ms_per_step"] += (e.device_time_total if cuda else e.cpu_time_total) / 1e3 / steps
+    return sorted(rows.values(), key=lambda r: r["ms_per_step"], reverse=True)
+
+
 def bits(t: torch.Tensor) -> str:
     """A hash of a tensor's exact bits (mambalab's fingerprint)."""
     from mambalab.determinism import fingerprint

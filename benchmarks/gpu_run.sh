@@ -56,6 +56,8 @@
 #   compat-speed*       bench_compat.py speed, routed against mamba-ssm in each of its modes (needs ccd-ext earlier)
 #   compat-profile*     bench_compat.py profile: that step's operators and kernels, mamba-ssm's deterministic mode
 #   compat-profile-routed*  the routed step's alone (bench_compat.py profile --routed-only; no ccd-ext needed)
+#   conv-bench*         bench_conv.py: the conv's kernels at the routed step's shape, against the causal_conv1d package
+#                       (needs ccd-ext earlier); CONV_CANDIDATES="FILE[:NAME=V,...] ..." times kernels under development
 set -uo pipefail
 OUT=${OUT:-build/gpu}
 STEP_TIMEOUT=${STEP_TIMEOUT:-300}
@@ -207,6 +209,9 @@ for step in "$@"; do
                     --out "$OUT/compat_speed_deterministic.json" >>"$log" 2>&1; show="^\{|rror" ;;
     compat-profile) ccd_ready; MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py profile \
                       --out "$OUT/compat_profile.json" >>"$log" 2>&1; show="^ |---|rror" ;;
+    conv-bench) ccd_ready; cands=(); for c in ${CONV_CANDIDATES:-}; do cands+=(--candidate "$c"); done
+                within python3 benchmarks/bench_conv.py "${cands[@]}" --out "$OUT/conv_bench.json" >>"$log" 2>&1
+                show="^\{|rror|^build" ;;
     compat-profile-routed) ext_ready; within python3 benchmarks/bench_compat.py profile --routed-only \
                              --out "$OUT/compat_profile_routed.json" >>"$log" 2>&1; show="^ |---|rror" ;;
     *) echo "unknown step $step" >>"$log" ;;
