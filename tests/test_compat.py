@@ -9,6 +9,7 @@ kernels, so tests/test_compat_gpu.py compares with them on a GPU.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -219,6 +220,23 @@ def test_routed_library_models_repeat_bit_for_bit_and_do_not_read_the_sm_count(m
     runs = [library_step.run(model, emulate_profile=p) for p in ("rtx4090", "rtxa6000")]
     assert runs[0]["fingerprint"] == runs[1]["fingerprint"], "a rerun differs, or a launcher read the (emulated) GPU"
     assert len(runs[0]["parameters"]) >= 5 and runs[0]["routed"] is True
+
+
+def test_routed_step_reads_no_memory_it_did_not_write(monkeypatch):
+    """The switch turns off torch's NaN fill of new empty tensors (its cost on a GPU is a fill kernel a tensor).
+    With the fill on, an element no kernel wrote is NaN, and a step that read one would give other bits than
+    with the fill off: the same fingerprint both ways means every element read was written."""
+    from mambalab.determinism import switch
+
+    without_fill = library_step.run("mamba_ssm.MambaLMHeadModel")
+    target = switch._target
+    monkeypatch.setattr(switch, "_target", lambda flag, now: dataclasses.replace(target(flag, now),
+                                                                                 fill_uninitialized_memory=flag))
+    with_fill = library_step.run("mamba_ssm.MambaLMHeadModel")
+    assert not without_fill["settings"]["fill_uninitialized_memory"]
+    assert with_fill["settings"]["fill_uninitialized_memory"] and with_fill["settings"]["torch_deterministic"]
+    assert with_fill["fingerprint"] == without_fill["fingerprint"]
+    assert with_fill["output"] == without_fill["output"]
 
 
 @pytest.mark.parametrize("model", [m for m in library_step.MODELS if m.startswith("transformers.")])

@@ -290,6 +290,7 @@ def test_deterministic_sets_every_setting():
         assert is_deterministic()
         assert torch.are_deterministic_algorithms_enabled()
         assert not torch.is_deterministic_algorithms_warn_only_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         assert os.environ["MAMBA_DETERMINISTIC"] == "1"
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32

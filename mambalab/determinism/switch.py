@@ -13,6 +13,15 @@ mambalab's reduction mode              "deterministic"             ``reduction=N
                                                                    atomics (:func:`resolve_reduction`)
 ``torch.use_deterministic_algorithms`` True                        torch's own ops pick deterministic kernels, or
                                                                    raise where none exists
+``torch.utils.deterministic.           False                       with deterministic algorithms on, torch writes
+fill_uninitialized_memory``                                        NaN into every new ``torch.empty`` so that a
+                                                                   read of unwritten memory repeats; a program
+                                                                   that reads only what it wrote gets the same
+                                                                   bits without the fills (torch's documentation
+                                                                   of the attribute), and mambalab's kernels write
+                                                                   every element they allocate
+                                                                   (tests/test_compat.py runs a routed step both
+                                                                   ways)
 ``CUBLAS_WORKSPACE_CONFIG``            ``:4096:8``                 cuBLAS needs a fixed workspace to repeat its
                                                                    split-K sums (read when a handle is created)
 TF32 (matmul and cuDNN)                off                         TF32 rounds inputs to 10 mantissa bits, on
@@ -97,6 +106,7 @@ class Settings:
     mambalab: bool
     torch_deterministic: bool
     torch_warn_only: bool
+    fill_uninitialized_memory: bool
     matmul_tf32: bool
     cudnn_tf32: bool
     float32_matmul_precision: str
@@ -114,6 +124,7 @@ class Settings:
             mambalab=_mambalab_deterministic,
             torch_deterministic=torch.are_deterministic_algorithms_enabled(),
             torch_warn_only=torch.is_deterministic_algorithms_warn_only_enabled(),
+            fill_uninitialized_memory=torch.utils.deterministic.fill_uninitialized_memory,
             matmul_tf32=torch.backends.cuda.matmul.allow_tf32,
             cudnn_tf32=torch.backends.cudnn.allow_tf32,
             float32_matmul_precision=torch.get_float32_matmul_precision(),
@@ -129,6 +140,7 @@ class Settings:
         global _mambalab_deterministic
         _mambalab_deterministic = bool(self.mambalab)
         torch.use_deterministic_algorithms(self.torch_deterministic, warn_only=self.torch_warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = self.fill_uninitialized_memory
         torch.backends.cuda.matmul.allow_tf32 = self.matmul_tf32
         torch.backends.cudnn.allow_tf32 = self.cudnn_tf32
         torch.set_float32_matmul_precision(self.float32_matmul_precision)
@@ -154,18 +166,21 @@ def _target(flag: bool, now: Settings) -> Settings:
     """The settings :func:`set_deterministic` (flag) moves to from ``now``.
 
     True: every setting at its deterministic value. False: the determinism flags off (mambalab reduces with
-    atomics, torch's deterministic algorithms off, cuDNN free to pick, mamba-ssm's mode off); TF32 and
-    ``CUBLAS_WORKSPACE_CONFIG`` are precision and workspace choices, left as they are.
+    atomics, torch's deterministic algorithms off, cuDNN free to pick, mamba-ssm's mode off); TF32,
+    ``CUBLAS_WORKSPACE_CONFIG`` and the memory fill are precision, workspace and debugging choices, left as
+    they are.
     """
     mamba_imported = _mamba_determinism() is not None
     if flag:
         return Settings(
-            mambalab=True, torch_deterministic=True, torch_warn_only=False, matmul_tf32=False, cudnn_tf32=False,
+            mambalab=True, torch_deterministic=True, torch_warn_only=False, fill_uninitialized_memory=False,
+            matmul_tf32=False, cudnn_tf32=False,
             float32_matmul_precision="highest", cudnn_deterministic=True, cudnn_benchmark=False,
             cublas_workspace_config=CUBLAS_WORKSPACE, mamba_deterministic_env="1",
             mamba_ssm_override=True if mamba_imported else _UNSET, autotune_pinned=True)
     return Settings(
-        mambalab=False, torch_deterministic=False, torch_warn_only=False, matmul_tf32=now.matmul_tf32,
+        mambalab=False, torch_deterministic=False, torch_warn_only=False,
+        fill_uninitialized_memory=now.fill_uninitialized_memory, matmul_tf32=now.matmul_tf32,
         cudnn_tf32=now.cudnn_tf32, float32_matmul_precision=now.float32_matmul_precision, cudnn_deterministic=False,
         cudnn_benchmark=now.cudnn_benchmark, cublas_workspace_config=now.cublas_workspace_config,
         mamba_deterministic_env="0", mamba_ssm_override=False if mamba_imported else _UNSET, autotune_pinned=False)
@@ -173,7 +188,7 @@ def _target(flag: bool, now: Settings) -> Settings:
 
 def set_deterministic(flag: bool) -> None:
     """Switch every setting in the module docstring's table to its deterministic value (True), or turn the
-    determinism flags off (False; TF32 and ``CUBLAS_WORKSPACE_CONFIG`` are left as they are). Not undone
+    determinism flags off (False; TF32, ``CUBLAS_WORKSPACE_CONFIG`` and the memory fill are left as they are). Not undone
     automatically: :func:`deterministic` is the scoped form."""
     if not isinstance(flag, bool):
         raise TypeError(f"flag must be a bool; got {flag!r}")
