@@ -10,8 +10,8 @@ Times, each the median of common.time_ms, on bf16 channel-last x (mamba-ssm's ``
 * the whole op forward and backward through autograd, mambalab's ``causal_conv1d_fn`` against the causal_conv1d
   package's (the rival) when it imports;
 * each ``--candidate``: a copy of ``mambalab/kernels/conv1d.py`` (a kernel under development) loaded from FILE,
-  its module constants set from ``NAME=V`` (``BLOCK_D=32,NUM_WARPS=8``), its backward kernel timed the same way
-  and its dx and partials compared bit for bit with the package's.
+  its module constants set from ``NAME=V`` (``BLOCK_D=32,NUM_WARPS=8``), its forward and backward kernels timed
+  the same way and their out, dx and partials compared bit for bit with the package's.
 
 The default shape is bench_compat.py speed's: d_model 2048 gives d_inner 4096 and a conv over
 d_inner + 2 · ngroups · d_state = 4352 channels, b 4, l 4096.
@@ -52,17 +52,27 @@ def inputs(b: int, d: int, l: int, width: int):
     return x, dout, weight, bias
 
 
-def backward_row(module, x, dout, weight, bias, reference=None) -> dict:
-    """The module's backward kernel timed; with ``reference`` (dx, partials), whether its bits are the same."""
-    run = lambda: module.causal_conv1d_bwd_partials(x, weight, bias, None, None, dout, None, True)
-    dx, _, partials = run()
-    ms = time_ms(run)
-    gigabytes = 3 * x.numel() * x.element_size() / 1e9   # x and dout read, dx written
-    row = {"bwd_ms": ms, "bwd_TBps": gigabytes / ms}
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bit patterns (NaNs and signed zeros included)."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(bits),
+                                                                      b.contiguous().view(bits))
+
+
+def kernels_row(module, x, dout, weight, bias, reference=None) -> dict:
+    """The module's forward and backward kernels timed, with their bytes over time; with ``reference`` (out, dx,
+    partials), whether its bits are the same."""
+    forward = lambda: module.causal_conv1d_fwd(x, weight, bias, None, None, False, True)
+    backward = lambda: module.causal_conv1d_bwd_partials(x, weight, bias, None, None, dout, None, True)
+    (out, _), (dx, _, partials) = forward(), backward()
+    gigabytes = x.numel() * x.element_size() / 1e9   # one tensor of x's size
+    row = {"fwd_ms": time_ms(forward), "bwd_ms": time_ms(backward)}
+    row.update(fwd_TBps=2 * gigabytes / row["fwd_ms"],    # x read, out written
+               bwd_TBps=3 * gigabytes / row["bwd_ms"])    # x and dout read, dx written
     if reference is not None:
-        row["dx_same_bits"] = bool(torch.equal(dx.view(torch.int16), reference[0].view(torch.int16)))
-        row["partials_same_bits"] = bool(torch.equal(partials.view(torch.int32), reference[1].view(torch.int32)))
-    return row, (dx, partials)
+        for name, mine, theirs in zip(("out", "dx", "partials"), (out, dx, partials), reference):
+            row[f"{name}_same_bits"] = same_bits(mine, theirs)
+    return row, (out, dx, partials)
 
 
 def autograd_ms(fn, x, dout, weight, bias) -> float:
@@ -90,11 +100,8 @@ def main(argv=None) -> None:
     from mambalab.ops import causal_conv1d_fn
 
     x, dout, weight, bias = inputs(args.batch, args.dim, args.length, args.width)
-    forward = lambda: conv1d.causal_conv1d_fwd(x, weight, bias, None, None, False, True)
-    fwd_ms = time_ms(forward)
-    package, reference = backward_row(conv1d, x, dout, weight, bias)
-    package.update(fwd_ms=fwd_ms, fwd_TBps=2 * x.numel() * x.element_size() / 1e9 / fwd_ms,
-                   sum_partials_ms=time_ms(lambda: sum_partials(reference[1], dim=0)),
+    package, reference = kernels_row(conv1d, x, dout, weight, bias)
+    package.update(sum_partials_ms=time_ms(lambda: sum_partials(reference[2], dim=0)),
                    autograd_ms=autograd_ms(causal_conv1d_fn, x, dout, weight, bias))
     payload = {"environment": environment(), "shape": vars(args) | {"dtype": "bf16", "layout": "channel-last"},
                "mambalab": package, "candidates": {}}
@@ -107,7 +114,7 @@ def main(argv=None) -> None:
         payload["rival"]["mambalab_over_rival"] = package["autograd_ms"] / payload["rival"]["autograd_ms"]
     for index, spec in enumerate(args.candidate):
         try:
-            row, _ = backward_row(load_candidate(spec, index), x, dout, weight, bias, reference)
+            row, _ = kernels_row(load_candidate(spec, index), x, dout, weight, bias, reference)
         except Exception as error:   # a candidate that does not compile is a result too
             row = {"error": f"{type(error).__name__}: {str(error)[-2000:]}"}
         payload["candidates"][spec] = row
