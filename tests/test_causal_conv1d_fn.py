@@ -291,7 +291,8 @@ def test_backward_is_bitwise_repeatable_and_in_the_fixed_order():
 def test_tile_sizes_do_not_depend_on_the_gpu():
     """The tile sizes are module-level ints, and the kernels' launches (every constexpr, num_warps) are the
     same whatever GPU the device layer reports: recorded, not run, under two profiles of other SM counts."""
-    for name in ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "STATE_ROWS"):
+    for name in ("BLOCK_L", "BLOCK_D", "NUM_WARPS", "FORWARD_BLOCK_L", "FORWARD_BLOCK_D", "FORWARD_NUM_WARPS",
+                 "STATE_ROWS"):
         assert type(getattr(conv_kernels, name)) is int, name
 
     def run():

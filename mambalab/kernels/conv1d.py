@@ -22,9 +22,11 @@ Shapes: x, out, dout, dx (b, d, l) with any strides (mamba-ssm passes ``xBC.tran
 x.stride(1) == 1); weight (d, W); bias (d,); seq_idx (b, l) int32; initial_states, final states, dfinal,
 dinitial_states (b, d, W - 1). Everything computes in fp32 and is stored in its tensor's dtype.
 
-Tile rule: one program per (batch row, block of BLOCK_L = 64 positions, block of BLOCK_D = 64 channels); grid
-axis 0 walks (batch row, position block) row-major, axis 1 the channel blocks. The tile is (BLOCK_L, BLOCK_D)
-and its loads carry x's strides, so Triton's coalescing makes whichever axis has stride 1 the fast one: the
+Tile rule: one program per (batch row, block of positions, block of channels); grid axis 0 walks (batch row,
+position block) row-major, axis 1 the channel blocks. The forward's tile is FORWARD_BLOCK_L = 32 positions by
+FORWARD_BLOCK_D = 128 channels, the backward's BLOCK_L = 64 by BLOCK_D = 64 (its dw / dbias partials sum
+BLOCK_L positions, so its tile is part of their order; the forward's outputs do not depend on its tile). A
+tile's loads carry x's strides, so Triton's coalescing makes whichever axis has stride 1 the fast one: the
 channels for channel-last x, the positions for contiguous x. Each tap is a separate masked load of the tile
 shifted by its offset (the W - 1 positions before the tile are the neighbour's and come from L1/L2), not a
 padded copy; only the first position block reads the initial states (a branch on the block, so the others
@@ -52,9 +54,14 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-BLOCK_L = 64     # positions a tile; also the positions each dw / dbias partial sums, so part of the order
-BLOCK_D = 64     # channels a tile: 128 bytes of a bf16 row of channel-last x
+BLOCK_L = 64     # the backward's positions a tile; also the positions each dw / dbias partial sums (the order)
+BLOCK_D = 64     # the backward's channels a tile: 128 bytes of a bf16 row of channel-last x
 NUM_WARPS = 16   # 8 fp32 numbers a thread a tile: the backward fits sm_90's 128 registers (with 4 warps, 255)
+# the forward's tile: 0.140 ms against 0.326 at the backward's (64, 64, 16 warps), b4 d4352 l4096 bf16 channel-last
+# on an H100, the best of 7 tiles (benchmarks/results/2026-12-07_h100_conv_bench.json)
+FORWARD_BLOCK_L = 32
+FORWARD_BLOCK_D = 128
+FORWARD_NUM_WARPS = 4
 STATE_ROWS = 4   # a power of 2 >= W - 1: the rows of the final-state and dinitial_states tiles
 
 
@@ -69,8 +76,18 @@ def partial_count(b: int, l: int) -> int:
 
 
 def launch_grid(b: int, d: int, l: int) -> tuple[int, int]:
-    """Both kernels' grid: (b · position blocks, channel blocks)."""
+    """The backward's grid: (b · position blocks, channel blocks)."""
     return partial_count(b, l), triton.cdiv(d, BLOCK_D)
+
+
+def forward_position_blocks(l: int) -> int:
+    """The forward's position blocks of a row: cdiv(l, FORWARD_BLOCK_L), and 1 for l = 0."""
+    return max(triton.cdiv(l, FORWARD_BLOCK_L), 1)
+
+
+def forward_grid(b: int, d: int, l: int) -> tuple[int, int]:
+    """The forward's grid: (b · its position blocks, its channel blocks)."""
+    return b * forward_position_blocks(l), triton.cdiv(d, FORWARD_BLOCK_D)
 
 
 @triton.jit
@@ -190,7 +207,7 @@ def causal_conv1d_fwd_kernel(
     out_ptr,      # (b, d, l) output, act(pre)
     final_ptr,    # (b, d, W - 1) final states written; unused without WRITE_FINAL
     d, l,         # channels, positions
-    l_blocks,     # position blocks a row (position_blocks(l))
+    l_blocks,     # position blocks a row (forward_position_blocks(l))
     x_b, x_d, x_l, w_d, w_k, s_b, i_b, i_d, i_k, o_b, o_d, o_l, f_b, f_d, f_k,   # strides
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, HAS_INIT: tl.constexpr,
     WRITE_FINAL: tl.constexpr, SILU: tl.constexpr,
@@ -322,15 +339,14 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, write_final: boo
     final = x.new_empty(b, d, width - 1) if write_final else None
     if b == 0 or d == 0:
         return out, final
-    grid = launch_grid(b, d, l)
-    causal_conv1d_fwd_kernel[grid](
+    causal_conv1d_fwd_kernel[forward_grid(b, d, l)](
         x, weight, _dummy(bias, weight), _dummy(seq_idx, x), _dummy(initial_states, x), out, _dummy(final, out),
-        d, l, position_blocks(l),
+        d, l, forward_position_blocks(l),
         *x.stride(), *weight.stride(), *_strides(seq_idx, 1), *_strides(initial_states, 3), *out.stride(),
         *_strides(final, 3),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,
         HAS_INIT=initial_states is not None, WRITE_FINAL=write_final, SILU=silu,
-        BLOCK_L=BLOCK_L, BLOCK_D=BLOCK_D, STATE_ROWS=STATE_ROWS, num_warps=NUM_WARPS,
+        BLOCK_L=FORWARD_BLOCK_L, BLOCK_D=FORWARD_BLOCK_D, STATE_ROWS=STATE_ROWS, num_warps=FORWARD_NUM_WARPS,
     )
     return out, final
 
