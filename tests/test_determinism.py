@@ -300,7 +300,8 @@ def test_deterministic_sets_every_setting():
 
 
 def _unusual_settings(monkeypatch):
-    """Every setting away from both the switch's values and torch's defaults, so a restore is visible."""
+    """Every setting away from the switch's values, and all but the fill of new tensors (a bool, left at torch's
+    default True, which the switch turns off) away from torch's defaults too, so a restore is visible."""
     set_deterministic(False)                                     # mambalab's reductions atomic
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
     monkeypatch.delenv("MAMBA_DETERMINISTIC", raising=False)

@@ -13,15 +13,19 @@ mambalab's reduction mode              "deterministic"             ``reduction=N
                                                                    atomics (:func:`resolve_reduction`)
 ``torch.use_deterministic_algorithms`` True                        torch's own ops pick deterministic kernels, or
                                                                    raise where none exists
-``torch.utils.deterministic.           False                       with deterministic algorithms on, torch writes
-fill_uninitialized_memory``                                        NaN into every new ``torch.empty`` so that a
-                                                                   read of unwritten memory repeats; a program
-                                                                   that reads only what it wrote gets the same
-                                                                   bits without the fills (torch's documentation
-                                                                   of the attribute), and mambalab's kernels write
-                                                                   every element they allocate
-                                                                   (tests/test_compat.py runs a routed step both
-                                                                   ways)
+``torch.utils.deterministic.           False                       with deterministic algorithms on, torch fills
+fill_uninitialized_memory``                                        every tensor it allocates without values
+                                                                   (``torch.empty``, ``empty_like``,
+                                                                   ``empty_strided``, ``empty_permuted``,
+                                                                   ``resize_``'s new elements)
+                                                                   with NaN, or an integer dtype's largest value,
+                                                                   so that a read of unwritten memory repeats; a
+                                                                   program that reads only what it wrote gets the
+                                                                   same bits without the fills (torch's page
+                                                                   docs.pytorch.org/docs/stable/deterministic.html),
+                                                                   and mambalab's kernels write every element they
+                                                                   allocate (tests/test_compat.py runs a routed
+                                                                   step both ways, on the CPU)
 ``CUBLAS_WORKSPACE_CONFIG``            ``:4096:8``                 cuBLAS needs a fixed workspace to repeat its
                                                                    split-K sums (read when a handle is created)
 TF32 (matmul and cuDNN)                off                         TF32 rounds inputs to 10 mantissa bits, on

@@ -57,9 +57,7 @@ from mambalab.kernels.reduce import sum_partials
 BLOCK_L = 64     # the backward's positions a tile; also the positions each dw / dbias partial sums (the order)
 BLOCK_D = 64     # the backward's channels a tile: 128 bytes of a bf16 row of channel-last x
 NUM_WARPS = 16   # 8 fp32 numbers a thread a tile: the backward fits sm_90's 128 registers (with 4 warps, 255)
-# the forward's tile: 0.140 ms against 0.326 at the backward's (64, 64, 16 warps), b4 d4352 l4096 bf16 channel-last
-# on an H100, the best of 7 tiles (benchmarks/results/2026-12-07_h100_conv_bench.json)
-FORWARD_BLOCK_L = 32
+FORWARD_BLOCK_L = 32    # the forward's tile: 0.140 ms, the backward's 0.326 (2026-12-07_h100_conv_bench.json)
 FORWARD_BLOCK_D = 128
 FORWARD_NUM_WARPS = 4
 STATE_ROWS = 4   # a power of 2 >= W - 1: the rows of the final-state and dinitial_states tiles
