@@ -3,8 +3,10 @@ beside every result (machine and versions), so a JSON file says where its number
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -142,6 +144,19 @@ def distinct_patterns(runs: list[dict[str, torch.Tensor]]) -> dict[str, int]:
     return {k: len({bits(r[k]) for r in runs}) for k in runs[0]}
 
 
+def commit() -> str | None:
+    """The commit measured: ``MAMBALAB_COMMIT`` when set (the device tool sends the working tree without .git, so
+    the command names it: ``MAMBALAB_COMMIT=$(git rev-parse --short HEAD)`` written out here), else git's HEAD
+    where there is a checkout, else None."""
+    if os.environ.get("MAMBALAB_COMMIT"):
+        return os.environ["MAMBALAB_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
 def environment() -> dict:
     import triton
 
@@ -157,6 +172,7 @@ def environment() -> dict:
         "triton": triton.__version__,
         "mamba_ssm": oracle.version(),
         "python": platform.python_version(),
+        "commit": commit(),
     }
 
 

@@ -7,6 +7,8 @@
 #             OUT           where each step's log ($OUT/STEP.log) and results go; the device tool exports an OUT of its
 #                           own (what comes back): there pass OUT=build/gpu PACK=$OUT
 #             SKIP_EXT=1    no extension build (gpu_lanes.sh's later lanes: the first lane builds it)
+#             MAMBALAB_COMMIT  the commit measured, recorded in every JSON's environment (the device tool sends the
+#                           working tree without .git: write out git rev-parse --short HEAD's answer in the command)
 #             PACK          a folder that receives, after each step, OUT's logs and results as one results.tgz
 #                           (no .pt files) and compat's parts: the device tool's $OUT, which brings back 8 files
 #   carried:  .whl/ (mamba-ssm's wheel built with MAMBA_SKIP_CUDA_BUILD=TRUE; papermill, plotly, ipywidgets,

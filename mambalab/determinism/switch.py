@@ -14,11 +14,11 @@ mambalab's reduction mode              "deterministic"             ``reduction=N
 ``torch.use_deterministic_algorithms`` True                        torch's own ops pick deterministic kernels, or
                                                                    raise where none exists
 ``torch.utils.deterministic.           False                       with deterministic algorithms on, torch fills
-fill_uninitialized_memory``                                        every tensor it allocates without values
-                                                                   (``torch.empty``, ``empty_like``,
-                                                                   ``empty_strided``, ``empty_permuted``,
-                                                                   ``resize_``'s new elements)
-                                                                   with NaN, or an integer dtype's largest value,
+fill_uninitialized_memory``                                        the tensors that ``torch.empty``,
+                                                                   ``empty_like``, ``empty_strided`` and
+                                                                   ``empty_permuted`` return, and ``resize_``'s
+                                                                   new elements, with NaN, or an integer dtype's
+                                                                   largest value,
                                                                    so that a read of unwritten memory repeats; a
                                                                    program that reads only what it wrote gets the
                                                                    same bits without the fills (torch's page
