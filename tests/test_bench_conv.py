@@ -1,0 +1,65 @@
+"""benchmarks/bench_conv.py's pieces that decide what a GPU run reports: the bit comparison, the candidate loader
+and the row a candidate gets (its kernels run here through Triton's interpreter, its timing stubbed out), and the
+commit a benchmark's JSON records (benchmarks/common.py)."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import benchmark_module
+from mambalab.device import DEVICE
+from mambalab.kernels import conv1d
+
+PACKAGE_CONV = Path(conv1d.__file__)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return benchmark_module("bench_conv")
+
+
+def test_same_bits_compares_bit_patterns_not_values(bench):
+    a = torch.tensor([1.0, 0.0, float("nan")])
+    assert bench.same_bits(a, a.clone())
+    assert not bench.same_bits(a, torch.tensor([1.0, -0.0, float("nan")]))     # equal values, other bits
+    assert not bench.same_bits(a, a.double())                                    # other dtype
+    wide = torch.arange(12.0).reshape(3, 4)
+    assert bench.same_bits(wide.t(), wide.t().contiguous())                      # any layout
+
+
+def test_a_candidate_is_a_fresh_copy_with_its_constants_set(bench):
+    candidate = bench.load_candidate(f"{PACKAGE_CONV}:NUM_WARPS=8,FORWARD_BLOCK_L=64", 0)
+    assert (candidate.NUM_WARPS, candidate.FORWARD_BLOCK_L) == (8, 64)
+    assert candidate is not conv1d and conv1d.NUM_WARPS != 8                    # the package's own untouched
+    with pytest.raises(SystemExit, match="no constant NOT_A_CONSTANT"):
+        bench.load_candidate(f"{PACKAGE_CONV}:NOT_A_CONSTANT=1", 1)
+
+
+def test_a_candidate_row_says_which_results_keep_the_packages_bits(bench, monkeypatch):
+    monkeypatch.setattr(bench, "time_ms", lambda fn, **_: (fn(), 1.0)[1])
+    torch.manual_seed(0)
+    b, d, l = 2, 40, 70
+    x = torch.randn(b, l, d, device=DEVICE).transpose(1, 2)                     # channel-last, as the bench
+    dout = torch.randn(b, l, d, device=DEVICE).transpose(1, 2)
+    weight, bias = torch.randn(d, 4, device=DEVICE) / 4, torch.randn(d, device=DEVICE)
+    row, reference = bench.kernels_row(conv1d, x, dout, weight, bias)
+    assert set(row) == {"fwd_ms", "bwd_ms", "fwd_TBps", "bwd_TBps"}
+
+    retiled = bench.load_candidate(f"{PACKAGE_CONV}:FORWARD_BLOCK_L=64,FORWARD_BLOCK_D=32", 0)
+    row, _ = bench.kernels_row(retiled, x, dout, weight, bias, reference)
+    assert row["out_same_bits"] and row["dx_same_bits"] and row["partials_same_bits"]
+
+    off = bench.load_candidate(str(PACKAGE_CONV), 1)
+    forward = off.causal_conv1d_fwd
+    monkeypatch.setattr(off, "causal_conv1d_fwd", lambda *a: (lambda o: (o[0] * 1.0001, o[1]))(forward(*a)))
+    row, _ = bench.kernels_row(off, x, dout, weight, bias, reference)
+    assert not row["out_same_bits"] and row["dx_same_bits"] and row["partials_same_bits"]
+
+
+def test_the_commit_a_json_records(monkeypatch):
+    common = benchmark_module("common")
+    monkeypatch.setenv("MAMBALAB_COMMIT", "abc1234")
+    assert common.commit() == "abc1234"
+    monkeypatch.delenv("MAMBALAB_COMMIT")
+    head = common.commit()                       # this checkout's HEAD, or None where git or .git is missing
+    assert head is None or (len(head) >= 7 and all(ch in "0123456789abcdef" for ch in head))
