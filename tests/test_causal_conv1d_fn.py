@@ -425,3 +425,27 @@ def test_a_channel_last_slice_gives_channel_last_out_and_dx():
     out2 = causal_conv1d_fn(x2, weight, bias, activation="silu")
     (dx2,) = torch.autograd.grad(out2, x2, dout)
     assert torch.equal(out, out2) and torch.equal(dx, dx2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_channels_convolved_apart_give_the_bits_of_one_conv(dtype):
+    """The conv is depthwise, so mamba_split_conv1d_scan_combined convolves x, B and C apart: each channel's
+    output, input gradient and weight and bias gradients must have the bits of one conv over all the channels
+    (partials summed per channel, in an order that does not depend on its neighbours). 2 blocks of positions."""
+    b, l, parts = 2, 100, (70, 16, 16)
+    x, w, bias, _ = inputs(b, sum(parts), l, 4, dtype, seed=15)
+    dout = torch.randn(b, sum(parts), l, generator=torch.Generator().manual_seed(16)).to(dtype).to(x.device)
+    xs = channel_last(x)
+
+    def step(pieces):
+        xl, wl, bl = leaves(xs, w, bias)
+        outs = [causal_conv1d_fn(xp, wp, bp, activation="silu") for xp, wp, bp in
+                zip(*(t.split(pieces, dim=0 if t.dim() < 3 else 1) for t in (xl, wl, bl)))]
+        out = torch.cat(outs, dim=1)
+        out.backward(dout)
+        return [out, xl.grad, wl.grad, bl.grad]
+
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    for whole, apart in zip(step((sum(parts),)), step(parts)):
+        assert whole.dtype == apart.dtype
+        assert torch.equal(whole.contiguous().view(bits[whole.dtype]), apart.contiguous().view(bits[apart.dtype]))
