@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, time_ms, write  # noqa: E402
+from common import bits, environment, time_ms, write  # noqa: E402
 
 
 def load_candidate(spec: str, index: int):
@@ -52,16 +52,10 @@ def inputs(b: int, d: int, l: int, width: int):
     return x, dout, weight, bias
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b hold the same bit patterns (NaNs and signed zeros included)."""
-    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(bits),
-                                                                      b.contiguous().view(bits))
-
-
 def kernels_row(module, x, dout, weight, bias, reference=None) -> dict:
-    """The module's forward and backward kernels timed, with their bytes over time; with ``reference`` (out, dx,
-    partials), whether its bits are the same."""
+    """The module's forward and backward kernels timed, with their bytes over time, and their results (out, dx,
+    partials); with ``reference`` (the package's results' fingerprints, common.bits), whether each has the same
+    bits (dtype, shape and every bit of every element)."""
     forward = lambda: module.causal_conv1d_fwd(x, weight, bias, None, None, False, True)
     backward = lambda: module.causal_conv1d_bwd_partials(x, weight, bias, None, None, dout, None, True)
     (out, _), (dx, _, partials) = forward(), backward()
@@ -71,7 +65,7 @@ def kernels_row(module, x, dout, weight, bias, reference=None) -> dict:
                bwd_TBps=3 * gigabytes / row["bwd_ms"])    # x and dout read, dx written
     if reference is not None:
         for name, mine, theirs in zip(("out", "dx", "partials"), (out, dx, partials), reference):
-            row[f"{name}_same_bits"] = same_bits(mine, theirs)
+            row[f"{name}_same_bits"] = bits(mine) == theirs
     return row, (out, dx, partials)
 
 
@@ -100,8 +94,9 @@ def main(argv=None) -> None:
     from mambalab.ops import causal_conv1d_fn
 
     x, dout, weight, bias = inputs(args.batch, args.dim, args.length, args.width)
-    package, reference = kernels_row(conv1d, x, dout, weight, bias)
-    package.update(sum_partials_ms=time_ms(lambda: sum_partials(reference[2], dim=0)),
+    package, results = kernels_row(conv1d, x, dout, weight, bias)
+    reference = [bits(t) for t in results]   # hashed once for every candidate
+    package.update(sum_partials_ms=time_ms(lambda: sum_partials(results[2], dim=0)),
                    autograd_ms=autograd_ms(causal_conv1d_fn, x, dout, weight, bias))
     payload = {"environment": environment(), "shape": vars(args) | {"dtype": "bf16", "layout": "channel-last"},
                "mambalab": package, "candidates": {}}

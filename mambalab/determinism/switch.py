@@ -18,10 +18,10 @@ fill_uninitialized_memory``                                        the tensors t
                                                                    ``empty_like``, ``empty_strided`` and
                                                                    ``empty_permuted`` return, and ``resize_``'s
                                                                    new elements, with NaN, or an integer dtype's
-                                                                   largest value,
-                                                                   so that a read of unwritten memory repeats; a
-                                                                   program that reads only what it wrote gets the
-                                                                   same bits without the fills (torch's page
+                                                                   largest value, so that a read of unwritten
+                                                                   memory repeats; a program that reads only what
+                                                                   it wrote gets the same bits without the fills
+                                                                   (torch's page
                                                                    docs.pytorch.org/docs/stable/deterministic.html),
                                                                    and mambalab's kernels write every element they
                                                                    allocate (tests/test_compat.py runs a routed

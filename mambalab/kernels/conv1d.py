@@ -63,9 +63,10 @@ FORWARD_NUM_WARPS = 4
 STATE_ROWS = 4   # a power of 2 >= W - 1: the rows of the final-state and dinitial_states tiles
 
 
-def position_blocks(l: int) -> int:
-    """The position blocks of a row: cdiv(l, BLOCK_L), and 1 for l = 0 (its program writes the states)."""
-    return max(triton.cdiv(l, BLOCK_L), 1)
+def position_blocks(l: int, block_l: int = BLOCK_L) -> int:
+    """The position blocks of a row: cdiv(l, block_l) (the backward's BLOCK_L unless told), and 1 for l = 0 (its
+    program writes the states)."""
+    return max(triton.cdiv(l, block_l), 1)
 
 
 def partial_count(b: int, l: int) -> int:
@@ -78,14 +79,9 @@ def launch_grid(b: int, d: int, l: int) -> tuple[int, int]:
     return partial_count(b, l), triton.cdiv(d, BLOCK_D)
 
 
-def forward_position_blocks(l: int) -> int:
-    """The forward's position blocks of a row: cdiv(l, FORWARD_BLOCK_L), and 1 for l = 0."""
-    return max(triton.cdiv(l, FORWARD_BLOCK_L), 1)
-
-
 def forward_grid(b: int, d: int, l: int) -> tuple[int, int]:
     """The forward's grid: (b · its position blocks, its channel blocks)."""
-    return b * forward_position_blocks(l), triton.cdiv(d, FORWARD_BLOCK_D)
+    return b * position_blocks(l, FORWARD_BLOCK_L), triton.cdiv(d, FORWARD_BLOCK_D)
 
 
 @triton.jit
@@ -205,7 +201,7 @@ def causal_conv1d_fwd_kernel(
     out_ptr,      # (b, d, l) output, act(pre)
     final_ptr,    # (b, d, W - 1) final states written; unused without WRITE_FINAL
     d, l,         # channels, positions
-    l_blocks,     # position blocks a row (forward_position_blocks(l))
+    l_blocks,     # position blocks a row (position_blocks(l, FORWARD_BLOCK_L))
     x_b, x_d, x_l, w_d, w_k, s_b, i_b, i_d, i_k, o_b, o_d, o_l, f_b, f_d, f_k,   # strides
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, HAS_INIT: tl.constexpr,
     WRITE_FINAL: tl.constexpr, SILU: tl.constexpr,
@@ -339,7 +335,7 @@ def causal_conv1d_fwd(x, weight, bias, seq_idx, initial_states, write_final: boo
         return out, final
     causal_conv1d_fwd_kernel[forward_grid(b, d, l)](
         x, weight, _dummy(bias, weight), _dummy(seq_idx, x), _dummy(initial_states, x), out, _dummy(final, out),
-        d, l, forward_position_blocks(l),
+        d, l, position_blocks(l, FORWARD_BLOCK_L),
         *x.stride(), *weight.stride(), *_strides(seq_idx, 1), *_strides(initial_states, 3), *out.stride(),
         *_strides(final, 3),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_SEQ_IDX=seq_idx is not None,

@@ -18,12 +18,12 @@ the SSD (d_mlp is what zxbcdt holds beyond the SSD's parts, halved):
 
 Here the pieces are mambalab's ops, and autograd joins them: :func:`mambalab.ops.causal_conv1d_fn` (its
 weight and bias gradients summed in a fixed order; called on x, B and C apart, which gives the bits of one conv
-over xBC, the conv being depthwise, and hands the SSD contiguous inputs), :func:`mambalab.ops.ssd_chunk_scan` (deterministic
-reduction unless the switch says otherwise), :func:`mambalab.modules.norm.rmsnorm_fn` and ``F.linear``. So
-the gradients repeat bit for bit and no launcher reads the GPU's SM count, where mamba-ssm's deterministic
-mode still sums dB, dC and the norm's weight gradient over SM-count-sized partials. mamba-ssm's function
-also recomputes the conv's output in the backward rather than keeping it; this one keeps the activations
-autograd saves (more memory, the same values).
+over xBC, the conv being depthwise, and hands the SSD contiguous inputs), :func:`mambalab.ops.ssd_chunk_scan`
+(deterministic reduction unless the switch says otherwise), :func:`mambalab.modules.norm.rmsnorm_fn` and
+``F.linear``. So the gradients repeat bit for bit and no launcher reads the GPU's SM count, where mamba-ssm's
+deterministic mode still sums dB, dC and the norm's weight gradient over SM-count-sized partials. mamba-ssm's
+function also recomputes the conv's output in the backward rather than keeping it; this one keeps the
+activations autograd saves (more memory, the same values).
 """
 from __future__ import annotations
 
@@ -100,11 +100,12 @@ def mamba_split_conv1d_scan_combined(zxbcdt, conv1d_weight, conv1d_bias, dt_bias
     d_mlp, d, h, p, n = _sizes(zxbcdt, conv1d_weight, dt_bias, A, D, headdim, ngroups, rmsnorm_weight,
                                outproj_weight, outproj_bias)
     g = ngroups
-    zx0, z, x, B, C, dt = zxbcdt.split([2 * d_mlp, d, d, g * n, g * n, h], dim=-1)
+    conv_channels = [d, g * n, g * n]                                                    # x, B, C
+    zx0, z, x, B, C, dt = zxbcdt.split([2 * d_mlp, d, *conv_channels, h], dim=-1)
     # The conv is depthwise: convolved apart, x, B and C get the bits of one conv over xBC (each channel's
     # outputs, input gradients and weight-gradient partials are its own) and come out contiguous for the SSD
-    weights = conv1d_weight.split([d, g * n, g * n])
-    biases = conv1d_bias.split([d, g * n, g * n]) if conv1d_bias is not None else (None,) * 3
+    weights = conv1d_weight.split(conv_channels)
+    biases = conv1d_bias.split(conv_channels) if conv1d_bias is not None else (None,) * 3
     x, B, C = (causal_conv1d_fn(t.transpose(1, 2), w, bias, seq_idx=seq_idx,
                                 activation="silu" if activation else None).transpose(1, 2)
                for t, w, bias in zip((x, B, C), weights, biases))
