@@ -48,6 +48,24 @@ def test_a_candidate_row_says_which_results_keep_the_packages_bits(bench, monkey
     assert not row["out_same_bits"] and row["dx_same_bits"] and row["partials_same_bits"]
 
 
+def test_a_candidate_with_another_backward_tile_launches_grids_of_that_tile(bench):
+    """The backward's grid and partials count read BLOCK_L when called: a copy with BLOCK_L set launches one
+    program a block of that size, so dx keeps its bits and the partials, one row a block, fold to dw and dbias
+    (another order: equal within rounding)."""
+    torch.manual_seed(1)
+    b, d, l = 2, 40, 70
+    x = torch.randn(b, l, d, device=DEVICE).transpose(1, 2)
+    dout = torch.randn(b, l, d, device=DEVICE).transpose(1, 2)
+    weight, bias = torch.randn(d, 4, device=DEVICE) / 4, torch.randn(d, device=DEVICE)
+    dx, dweight, dbias, _ = conv1d.causal_conv1d_bwd(x, weight, bias, None, None, dout, None, True)
+    retiled = bench.load_candidate(f"{PACKAGE_CONV}:BLOCK_L=16,BLOCK_D=32,NUM_WARPS=2", 0)
+    dx_tiled, _, partials = retiled.causal_conv1d_bwd_partials(x, weight, bias, None, None, dout, None, True)
+    assert partials.shape == (b * 5, d, 5)                                      # cdiv(70, 16) = 5 blocks a row
+    assert torch.equal(dx_tiled, dx)
+    sums = partials.sum(0)
+    torch.testing.assert_close(sums[:, :4], dweight, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sums[:, 4], dbias, rtol=1e-5, atol=1e-5)
+
 def test_the_commit_a_json_records(monkeypatch):
     common = benchmark_module("common")
     monkeypatch.setenv("MAMBALAB_COMMIT", "abc1234")

@@ -63,10 +63,11 @@ FORWARD_NUM_WARPS = 4
 STATE_ROWS = 4   # a power of 2 >= W - 1: the rows of the final-state and dinitial_states tiles
 
 
-def position_blocks(l: int, block_l: int = BLOCK_L) -> int:
-    """The position blocks of a row: cdiv(l, block_l) (the backward's BLOCK_L unless told), and 1 for l = 0 (its
-    program writes the states)."""
-    return max(triton.cdiv(l, block_l), 1)
+def position_blocks(l: int, block_l: int | None = None) -> int:
+    """The position blocks of a row: cdiv(l, block_l) (the backward's BLOCK_L unless told, read at the call, so
+    that a copy of this module with its constants set launches consistent grids), and 1 for l = 0 (its program
+    writes the states)."""
+    return max(triton.cdiv(l, BLOCK_L if block_l is None else block_l), 1)
 
 
 def partial_count(b: int, l: int) -> int:
