@@ -280,7 +280,7 @@ def test_backward_is_bitwise_repeatable_and_in_the_fixed_order():
     # the partials from PyTorch, in float64: without an activation dpre = g; tap k reads x_{t - (width - 1) + k}
     xp = F.pad(x.double(), (width - 1, 0))
     per_position = torch.stack([g.double() * xp[..., k:k + l] for k in range(width)] + [g.double()], dim=-1)
-    per_position = F.pad(per_position, (0, 0, 0, blocks * conv_kernels.BLOCK_L - l))   # (b, d, blocks · 64, W + 1)
+    per_position = F.pad(per_position, (0, 0, 0, blocks * conv_kernels.BLOCK_L - l))   # (b, d, blocks · BLOCK_L, W + 1)
     tiles = per_position.reshape(b, d, blocks, conv_kernels.BLOCK_L, width + 1).sum(3)  # (b, d, blocks, W + 1)
     want = tiles.permute(0, 2, 1, 3).reshape(b * blocks, d, width + 1)
     torch.testing.assert_close(partials.double(), want, rtol=1e-5, atol=1e-5)

@@ -23,17 +23,18 @@ x.stride(1) == 1); weight (d, W); bias (d,); seq_idx (b, l) int32; initial_state
 dinitial_states (b, d, W - 1). Everything computes in fp32 and is stored in its tensor's dtype.
 
 Tile rule: one program per (batch row, block of positions, block of channels); grid axis 0 walks (batch row,
-position block) row-major, axis 1 the channel blocks. The forward's tile is FORWARD_BLOCK_L = 32 positions by
-FORWARD_BLOCK_D = 128 channels, the backward's BLOCK_L = 64 by BLOCK_D = 64 (its dw / dbias partials sum
-BLOCK_L positions, so its tile is part of their order; the forward's outputs do not depend on its tile). A
-tile's loads carry x's strides, so Triton's coalescing makes whichever axis has stride 1 the fast one: the
-channels for channel-last x, the positions for contiguous x. Each tap is a separate masked load of the tile
-shifted by its offset (the W - 1 positions before the tile are the neighbour's and come from L1/L2), not a
-padded copy; only the first position block reads the initial states (a branch on the block, so the others
-neither load nor hold them). The backward recomputes pre at the W positions t … t + W - 1 that dx[t] needs:
-W · W loads of x, all but the first from cache. Every tile size is a module constant: no autotuning, nothing
-read from the GPU (its model, its SM count), so the same shape, dtypes and strides give the same programs, the
-same sums and the same bits on every GPU.
+position block) row-major, axis 1 the channel blocks. Both kernels' tiles are 32 positions by 128 channels with
+4 warps (FORWARD_BLOCK_L, FORWARD_BLOCK_D, FORWARD_NUM_WARPS and BLOCK_L, BLOCK_D, NUM_WARPS): the forward's
+outputs do not depend on its tile, while the backward's dw / dbias partials sum BLOCK_L positions, so its tile
+is part of their order. A tile's loads carry x's strides, so Triton's coalescing makes whichever axis has
+stride 1 the fast one: the channels for channel-last x, the positions for contiguous x. Each tap is a separate
+masked load of the tile shifted by its offset (the W - 1 positions before the tile are the neighbour's and come
+from L1/L2), not a padded copy; only the first position block reads the initial states (a branch on the block,
+so the others neither load nor hold them). The backward computes dpre once over its tile and forms dx by
+shifting that tile along the positions (``tl.gather``); the W - 1 rows a shift takes from past the tile's end
+are dpre at the next block's first positions, computed one row each. Every tile size is a module constant: no
+autotuning, nothing read from the GPU (its model, its SM count), so the same shape, dtypes and strides give the
+same programs, the same sums and the same bits on every GPU.
 
 The order of every sum:
 
@@ -54,10 +55,10 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-BLOCK_L = 64     # the backward's positions a tile; also the positions each dw / dbias partial sums (the order)
-BLOCK_D = 64     # the backward's channels a tile: 128 bytes of a bf16 row of channel-last x
-NUM_WARPS = 16   # 8 fp32 numbers a thread a tile: the backward fits sm_90's 128 registers (with 4 warps, 255)
-FORWARD_BLOCK_L = 32    # the forward's tile: 0.140 ms, the backward's 0.326 (2026-12-07_h100_conv_bench.json)
+BLOCK_L = 32     # the backward's tile: 0.87 ms, 1.80 at 64 x 64 (2026-12-07_h100_conv_bench_backward.json)
+BLOCK_D = 128    # (BLOCK_L is also the positions each dw / dbias partial sums: part of their order)
+NUM_WARPS = 4
+FORWARD_BLOCK_L = 32    # the forward's tile: 0.140 ms, 0.326 at 64 x 64 (2026-12-07_h100_conv_bench.json)
 FORWARD_BLOCK_D = 128
 FORWARD_NUM_WARPS = 4
 STATE_ROWS = 4   # a power of 2 >= W - 1: the rows of the final-state and dinitial_states tiles
@@ -269,18 +270,41 @@ def causal_conv1d_bwd_kernel(
     seq_row = seq_ptr + pid_b.to(tl.int64) * s_b   # seq_idx has unit stride along l
     dout_row = dout_ptr + pid_b.to(tl.int64) * do_b
     dfinal_row = dfinal_ptr + pid_b.to(tl.int64) * df_b
-    # dx over the tile's positions
-    dx = _input_grad_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, dfinal_row, offs_t,
-                        offs_c, mask_c, at_start, l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l, df_d, df_k,
-                        WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU, HAS_DFINAL)
-    tl.store(dx_ptr + pid_b.to(tl.int64) * dx_b + offs_t.to(tl.int64)[:, None] * dx_l + offs_c[None, :] * dx_d,
-             dx.to(dx_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
-    # this tile's partial sums of dw and dbias
-    g = _dpre_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, offs_t, offs_c, mask_c, at_start,
-                 l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l, WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)
     seq_t = tl.zeros_like(offs_t)
     if HAS_SEQ_IDX:
         seq_t = tl.load(seq_row + offs_t, mask=mask_t, other=-1)
+    # dpre once over the tile's positions
+    g = _dpre_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, offs_t, offs_c, mask_c, at_start,
+                 l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l, WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)
+    # dx[t] = Σ_k w[:, k] · dpre[t + W - 1 - k], the taps in order: the tile's dpre shifted along the positions
+    # (tl.gather); a shifted row past the tile's end is dpre of the next block's first rows, one row each
+    rows = tl.arange(0, BLOCK_L)[:, None] + tl.zeros((1, BLOCK_D), dtype=tl.int32)   # (BLOCK_L, BLOCK_D)
+    dx = tl.zeros((BLOCK_L, BLOCK_D), dtype=tl.float32)
+    for shift in tl.static_range(WIDTH - 1, -1, -1):   # the taps k = W - 1 - shift = 0 … W - 1, in order
+        k = WIDTH - 1 - shift
+        if shift == 0:
+            gk = g
+        else:
+            gk = tl.gather(g, tl.minimum(rows + shift, BLOCK_L - 1), 0)
+            for j in tl.static_range(shift):   # tile row BLOCK_L - shift + j reads position (pid_l + 1) · BLOCK_L + j
+                after = (pid_l + 1) * BLOCK_L + j + tl.arange(0, 1)
+                g_after = _dpre_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, after, offs_c, mask_c,
+                                   at_start, l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l,
+                                   WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)   # (1, BLOCK_D)
+                gk = tl.where(rows == BLOCK_L - shift + j, g_after, gk)
+        if HAS_SEQ_IDX:
+            q = offs_t + shift   # the output position whose tap k reads t
+            same = tl.load(seq_row + q, mask=(q >= 0) & (q < l), other=-2) == seq_t
+            gk = tl.where(same[:, None], gk, 0.0)
+        w = tl.load(weight_ptr + offs_c * w_d + k * w_k, mask=mask_c, other=0.0).to(tl.float32)
+        dx += w[None, :] * gk
+    if HAS_DFINAL:
+        f = offs_t - (l - (WIDTH - 1))   # the final state t is, if any
+        dx += tl.load(dfinal_row + f[:, None] * df_k + offs_c[None, :] * df_d,
+                      mask=((f >= 0) & mask_t)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+    tl.store(dx_ptr + pid_b.to(tl.int64) * dx_b + offs_t.to(tl.int64)[:, None] * dx_l + offs_c[None, :] * dx_d,
+             dx.to(dx_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
+    # this tile's partial sums of dw and dbias
     part = partials_ptr + (tl.program_id(0).to(tl.int64) * d + offs_c) * (WIDTH + 1)
     for k in tl.static_range(WIDTH):
         xk = _inputs_at(x_row, init_row, seq_row, offs_t - (WIDTH - 1) + k, seq_t, offs_c, mask_c, at_start,

@@ -18,7 +18,7 @@ The forward and the backward are one Triton kernel each (:mod:`mambalab.kernels.
 tile rule): on a GPU natively, on the CPU through Triton's interpreter, computing in fp32 and storing in x's
 dtype; out and dx keep x's layout (channel-last x, as mamba-ssm passes it, stays channel-last). The order of the
 sums: pre is the bias, then the ``width`` taps in tap order; dx and dinitial_states are the ``width`` taps in
-tap order, then the final states' gradient; dweight and dbias are each tile's sum over its 64 positions, written
+tap order, then the final states' gradient; dweight and dbias are each tile's sum over its 32 positions, written
 as one partial a (batch row, block of positions), then folded by :func:`mambalab.kernels.reduce.sum_partials`.
 Every step's order is fixed by the shape, the dtypes and x's layout alone, so the bits do not depend on the GPU
 (its model, its SM count) or the run.
