@@ -162,6 +162,27 @@ def _dpre_at(
 
 
 @triton.jit
+def _add_tap(acc, g, q, seq_reader, seq_row, weight_ptr, offs_c, mask_c, k, l, w_d, w_k,
+             HAS_SEQ_IDX: tl.constexpr):
+    """acc + w[:, k] · g, where g is dpre at the output positions q whose tap k reads the inputs of acc's rows,
+    kept where q's sequence is the reader's (HAS_SEQ_IDX)."""
+    if HAS_SEQ_IDX:
+        same = tl.load(seq_row + q, mask=(q >= 0) & (q < l), other=-2) == seq_reader
+        g = tl.where(same[:, None], g, 0.0)
+    w = tl.load(weight_ptr + offs_c * w_d + k * w_k, mask=mask_c, other=0.0).to(tl.float32)
+    return acc + w[None, :] * g
+
+
+@triton.jit
+def _final_state_grad(dfinal_row, p, offs_c, mask_c, l, df_d, df_k, WIDTH: tl.constexpr):
+    """dfinal at the inputs p that are final states (the last W - 1 inputs), 0 elsewhere: (R, BLOCK_D) fp32."""
+    f = p - (l - (WIDTH - 1))   # the final state p is, if any
+    is_final = (f >= 0) & (p < l) & (p >= -(WIDTH - 1))
+    return tl.load(dfinal_row + f[:, None] * df_k + offs_c[None, :] * df_d,
+                   mask=is_final[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _input_grad_at(
     x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, dfinal_row,
     p,            # (R,) input positions, -(W - 1) … l - 1
@@ -180,16 +201,9 @@ def _input_grad_at(
         q = p + (WIDTH - 1 - k)    # the output position whose tap k reads p
         g = _dpre_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, q, offs_c, mask_c, at_start,
                      l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l, WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)
-        if HAS_SEQ_IDX:
-            same = tl.load(seq_row + q, mask=(q >= 0) & (q < l), other=-2) == seq_p
-            g = tl.where(same[:, None], g, 0.0)
-        w = tl.load(weight_ptr + offs_c * w_d + k * w_k, mask=mask_c, other=0.0).to(tl.float32)
-        acc += w[None, :] * g
+        acc = _add_tap(acc, g, q, seq_p, seq_row, weight_ptr, offs_c, mask_c, k, l, w_d, w_k, HAS_SEQ_IDX)
     if HAS_DFINAL:
-        f = p - (l - (WIDTH - 1))   # the final state p is, if any
-        is_final = (f >= 0) & (p < l) & (p >= -(WIDTH - 1))
-        acc += tl.load(dfinal_row + f[:, None] * df_k + offs_c[None, :] * df_d,
-                       mask=is_final[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        acc += _final_state_grad(dfinal_row, p, offs_c, mask_c, l, df_d, df_k, WIDTH)
     return acc
 
 
@@ -292,16 +306,10 @@ def causal_conv1d_bwd_kernel(
                                    at_start, l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l,
                                    WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)   # (1, BLOCK_D)
                 gk = tl.where(rows == BLOCK_L - shift + j, g_after, gk)
-        if HAS_SEQ_IDX:
-            q = offs_t + shift   # the output position whose tap k reads t
-            same = tl.load(seq_row + q, mask=(q >= 0) & (q < l), other=-2) == seq_t
-            gk = tl.where(same[:, None], gk, 0.0)
-        w = tl.load(weight_ptr + offs_c * w_d + k * w_k, mask=mask_c, other=0.0).to(tl.float32)
-        dx += w[None, :] * gk
+        dx = _add_tap(dx, gk, offs_t + shift, seq_t, seq_row, weight_ptr, offs_c, mask_c, k, l, w_d, w_k,
+                      HAS_SEQ_IDX)   # offs_t + shift: the output positions whose tap k reads the tile's inputs
     if HAS_DFINAL:
-        f = offs_t - (l - (WIDTH - 1))   # the final state t is, if any
-        dx += tl.load(dfinal_row + f[:, None] * df_k + offs_c[None, :] * df_d,
-                      mask=((f >= 0) & mask_t)[:, None] & mask_c[None, :], other=0.0).to(tl.float32)
+        dx += _final_state_grad(dfinal_row, offs_t, offs_c, mask_c, l, df_d, df_k, WIDTH)
     tl.store(dx_ptr + pid_b.to(tl.int64) * dx_b + offs_t.to(tl.int64)[:, None] * dx_l + offs_c[None, :] * dx_d,
              dx.to(dx_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_c[None, :])
     # this tile's partial sums of dw and dbias
