@@ -300,12 +300,12 @@ def causal_conv1d_bwd_kernel(
             gk = g
         else:
             gk = tl.gather(g, tl.minimum(rows + shift, BLOCK_L - 1), 0)
-            for j in tl.static_range(shift):   # tile row BLOCK_L - shift + j reads position (pid_l + 1) · BLOCK_L + j
-                after = (pid_l + 1) * BLOCK_L + j + tl.arange(0, 1)
+            for e in tl.static_range(shift):   # tile row BLOCK_L - shift + e reads position (pid_l + 1) · BLOCK_L + e
+                after = (pid_l + 1) * BLOCK_L + e + tl.arange(0, 1)
                 g_after = _dpre_at(x_row, init_row, seq_row, weight_ptr, bias_ptr, dout_row, after, offs_c, mask_c,
                                    at_start, l, x_d, x_l, i_d, i_k, w_d, w_k, do_d, do_l,
                                    WIDTH, HAS_BIAS, HAS_INIT, HAS_SEQ_IDX, SILU)   # (1, BLOCK_D)
-                gk = tl.where(rows == BLOCK_L - shift + j, g_after, gk)
+                gk = tl.where(rows == BLOCK_L - shift + e, g_after, gk)
         dx = _add_tap(dx, gk, offs_t + shift, seq_t, seq_row, weight_ptr, offs_c, mask_c, k, l, w_d, w_k,
                       HAS_SEQ_IDX)   # offs_t + shift: the output positions whose tap k reads the tile's inputs
     if HAS_DFINAL:
