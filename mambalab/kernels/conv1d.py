@@ -55,7 +55,7 @@ import triton.language as tl
 
 from mambalab.kernels.reduce import sum_partials
 
-BLOCK_L = 32     # the backward's tile: 0.87 ms, 1.80 at 64 x 64 (2026-12-07_h100_conv_bench_backward.json)
+BLOCK_L = 32     # the backward's tile: 0.874 ms, 1.801 at 64 x 64 (2026-12-07_h100_conv_bench_vs_64x64.json)
 BLOCK_D = 128    # (BLOCK_L is also the positions each dw / dbias partial sums: part of their order)
 NUM_WARPS = 4
 FORWARD_BLOCK_L = 32    # the forward's tile: 0.140 ms, 0.326 at 64 x 64 (2026-12-07_h100_conv_bench.json)
