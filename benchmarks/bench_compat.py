@@ -9,7 +9,9 @@
         mamba-ssm's own kernels is the process's (MAMBA_DETERMINISTIC=1 before import: its deterministic mode).
         mamba-ssm's autotuners try one configuration each (its smallest, oracle.single_config): autotuning them
         all would take minutes a shape; the order of their sums within a configuration is what is measured.
-        Also mambalab's own fixed step (mambalab fingerprint --save) as DIR/<gpu>_mambalab.pt.
+        Also mambalab's own fixed step (mambalab fingerprint --save) as DIR/<gpu>_mambalab.pt. With
+        --routed-only the routed steps and their files alone (DIR/compat_fingerprints_routed.json): what comparing
+        GPUs needs, in a fraction of the time, and no mamba-ssm kernel is run.
     python benchmarks/bench_compat.py speed --out FILE    one training step (forward and backward, bf16 autocast,
         fp32 parameters) of mamba-ssm's MambaLMHeadModel with Mamba-2 layers, d_model 2048, 8 layers, b 4, l 4096,
         vocabulary 1024: routed and mamba-ssm's own in the same process (its mode, as above), medians of
@@ -95,8 +97,9 @@ def _file_name(model: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_")
 
 
-def fingerprints(out: Path) -> dict:
-    from mambalab import oracle
+def fingerprints(out: Path, routed_only: bool = False) -> dict:
+    """The rows of the module docstring's ``fingerprints``; with ``routed_only`` the routed steps alone (their
+    fingerprints and .pt files: what a comparison across GPUs needs), none of mamba-ssm's own kernels."""
     from mambalab.determinism import library_step, step
 
     out.mkdir(parents=True, exist_ok=True)
@@ -116,31 +119,50 @@ def fingerprints(out: Path) -> dict:
             row.update(routed_fingerprint=first["fingerprint"],
                        routed_patterns_over_runs=len({first["fingerprint"], again}),
                        routed_patterns_over_profiles=len({first["fingerprint"], *emulated}))
-            with oracle.single_config(smallest=True):
-                runs = [library_step.run(model, routed=False, size="gpu", return_tensors=True) for _ in range(5)]
-                emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p) for p in PROFILES]
-            r, t = runs[-1]
-            row.update(_patterns("own", [rep for rep, _ in runs], emulated))
-            if _mode() == "deterministic":   # and torch's deterministic algorithms: the most a user can switch on
-                torch.use_deterministic_algorithms(True, warn_only=True)
-                try:
-                    with oracle.single_config(smallest=True):
-                        det = [library_step.run(model, routed=False, size="gpu") for _ in range(3)]
-                        det_emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p)
-                                        for p in PROFILES]
-                finally:
-                    torch.use_deterministic_algorithms(False)
-                row.update(_patterns("own_with_torch_deterministic", det, det_emulated))
-            step.save_step(out / f"{tag}_{_file_name(model)}_own_{_mode()}.pt", r, _grads(t))
-            row["max_rel_diff_routed_vs_own"] = max(_rel(mine[k], t[k]) for k in mine)
+            if not routed_only:
+                _own(model, row, mine, out)
         except Exception as err:   # keep what was measured; say what failed
             row["error"] = f"{type(err).__name__}: {err}"[:400]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        result = dict(environment=environment(), rows=rows,
-                      command=f"MAMBA_DETERMINISTIC={os.environ.get('MAMBA_DETERMINISTIC', '')} "
-                              f"python benchmarks/bench_compat.py fingerprints --out {out}")
-        write(out / f"compat_fingerprints_{_mode()}.json", result, quiet=True)   # after each row
+        _fingerprints_result(out, rows, routed_only)   # after each row: a run cut short keeps them
+    return _fingerprints_result(out, rows, routed_only)
+
+
+def _own(model: str, row: dict, mine: dict, out: Path) -> None:
+    """Add to ``row`` mamba-ssm's own kernels' patterns for ``model`` (5 runs and the emulated profiles; in its
+    deterministic mode also with torch's deterministic algorithms on) and the routed gradients' (``mine``)
+    largest relative difference from its own; save its last run's step file in ``out``."""
+    from mambalab import oracle
+    from mambalab.determinism import library_step, step
+
+    with oracle.single_config(smallest=True):
+        runs = [library_step.run(model, routed=False, size="gpu", return_tensors=True) for _ in range(5)]
+        emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p) for p in PROFILES]
+    r, t = runs[-1]
+    row.update(_patterns("own", [rep for rep, _ in runs], emulated))
+    if _mode() == "deterministic":   # and torch's deterministic algorithms: the most a user can switch on
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            with oracle.single_config(smallest=True):
+                det = [library_step.run(model, routed=False, size="gpu") for _ in range(3)]
+                det_emulated = [library_step.run(model, routed=False, size="gpu", emulate_profile=p)
+                                for p in PROFILES]
+        finally:
+            torch.use_deterministic_algorithms(False)
+        row.update(_patterns("own_with_torch_deterministic", det, det_emulated))
+    step.save_step(out / f"{_gpu_tag()}_{_file_name(model)}_own_{_mode()}.pt", r, _grads(t))
+    row["max_rel_diff_routed_vs_own"] = max(_rel(mine[k], t[k]) for k in mine)
+
+
+def _fingerprints_result(out: Path, rows: list, routed_only: bool) -> dict:
+    """The rows so far as the JSON file of ``fingerprints``, written."""
+    flag = " --routed-only" if routed_only else ""
+    result = dict(environment=environment(), rows=rows,
+                  command=f"MAMBA_DETERMINISTIC={os.environ.get('MAMBA_DETERMINISTIC', '')} "
+                          f"python benchmarks/bench_compat.py fingerprints{flag} --out {out}")
+    name = "compat_fingerprints_routed.json" if routed_only else f"compat_fingerprints_{_mode()}.json"
+    write(out / name, result, quiet=True)
     return result
 
 
@@ -206,12 +228,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=("fingerprints", "speed", "profile"))
     parser.add_argument("--out", required=True, help="fingerprints: a folder; speed, profile: a JSON file")
-    parser.add_argument("--routed-only", action="store_true", help="profile: the routed step alone")
+    parser.add_argument("--routed-only", action="store_true",
+                        help="fingerprints, profile: the routed steps alone, none of mamba-ssm's own kernels")
     args = parser.parse_args()
-    if args.routed_only and args.what != "profile":
-        parser.error("--routed-only goes with profile")
+    if args.routed_only and args.what == "speed":
+        parser.error("--routed-only goes with fingerprints or profile")
     if args.what == "fingerprints":
-        fingerprints(Path(args.out))
+        fingerprints(Path(args.out), args.routed_only)
     else:
         write(args.out, speed() if args.what == "speed" else profile(args.routed_only))
 

@@ -267,3 +267,34 @@ def test_bench_compat_reads_which_function_transformers_resolved():
     wrapper's layout (transformers 5.25's integrations/hub_kernels.py) is not the one read."""
     oracle.load()
     assert benchmark_module("bench_compat")._transformers_fused_function() in ("mamba_ssm.ops.triton.ssd_combined", "PyTorch")
+
+
+def test_bench_compat_routed_only_fingerprints_run_no_mamba_ssm_kernel(tmp_path, monkeypatch):
+    """``bench_compat.py fingerprints --routed-only``, the comparison of GPUs at its least cost: each model's routed
+    step is run and saved and its row written, and not one step of the library's own kernels is run. The steps
+    are stand-ins here (the script's plumbing is what is tested; the steps are tested above and on a GPU)."""
+    bench = benchmark_module("bench_compat")
+    from mambalab.determinism import step
+
+    calls = []
+
+    def fake_run(model, routed=True, size="cpu", emulate_profile=None, return_tensors=False, **_):
+        calls.append((model, routed, emulate_profile))
+        report = dict(fingerprint=f"{model}:{emulate_profile}" if emulate_profile == "rtx4090" else model)
+        return (report, {"grad/w": torch.ones(2)}) if return_tensors else report
+
+    monkeypatch.setattr(library_step, "run", fake_run)
+    monkeypatch.setattr(step, "run_step", lambda return_tensors: (dict(fingerprint="own-step"), {}))
+    monkeypatch.setattr(step, "save_step", lambda path, report, tensors: path.write_text(report["fingerprint"]))
+    monkeypatch.setattr(bench, "_gpu_tag", lambda: "gpu")
+    monkeypatch.setattr(bench, "_transformers_fused_function", lambda: "PyTorch")
+    result = bench.fingerprints(tmp_path, routed_only=True)
+
+    assert calls and all(routed for _, routed, _ in calls)
+    rows = result["rows"][1:]
+    assert [r["model"] for r in rows] == list(library_step.MODELS)
+    assert all("error" not in r and r["routed_patterns_over_runs"] == 1 for r in rows)
+    assert all(r["routed_patterns_over_profiles"] == 2 for r in rows)   # the stand-in differs under one profile
+    assert (tmp_path / "compat_fingerprints_routed.json").exists()
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == sorted(
+        ["gpu_mambalab.pt"] + [f"gpu_{bench._file_name(m)}.pt" for m in library_step.MODELS])
