@@ -55,6 +55,8 @@
 #   ccd-ext             build the causal_conv1d package in the background (compat-tests and compat need it)
 #   compat*             mamba-ssm's and transformers' models routed onto mambalab (bench_compat.py): fingerprints in
 #                       both mamba-ssm modes and their GPU tests (needs ccd-ext earlier, .carry/transformers)
+#   compat-routed       the routed fingerprints alone (bench_compat.py fingerprints --routed-only): what comparing two
+#                       GPUs needs, mamba-ssm's own kernels not run (no extension build waited for; ccd-ext earlier)
 #   compat-speed*       bench_compat.py speed, routed against mamba-ssm in each of its modes (needs ccd-ext earlier)
 #   compat-profile*     bench_compat.py profile: that step's operators and kernels, mamba-ssm's deterministic mode
 #   compat-profile-routed*  the routed step's alone (bench_compat.py profile --routed-only; no ccd-ext needed)
@@ -205,6 +207,11 @@ for step in "$@"; do
             # small enough to come back from the device machine (16 MiB a file)
             tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"
             show="^\{|passed|failed|rror|ccd build" ;;
+    compat-routed) [ -n "${ccd_pid:-}" ] && wait "$ccd_pid" 2>/dev/null; on_path /tmp/ccd_ext
+                   step_end=$((SECONDS + STEP_TIMEOUT)); tail -1 "$OUT/ccd_build.log" >>"$log"; mkdir -p "$OUT/compat"
+                   within python3 benchmarks/bench_compat.py fingerprints --routed-only --out "$OUT/compat" >>"$log" 2>&1
+                   tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"
+                   show="^\{|rror|ccd build" ;;
     compat-speed) ccd_ready   # one process per mamba-ssm mode
                   within python3 benchmarks/bench_compat.py speed --out "$OUT/compat_speed_default.json" >>"$log" 2>&1
                   MAMBA_DETERMINISTIC=1 within python3 benchmarks/bench_compat.py speed \
