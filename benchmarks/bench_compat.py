@@ -125,8 +125,8 @@ def fingerprints(out: Path, routed_only: bool = False) -> dict:
             row["error"] = f"{type(err).__name__}: {err}"[:400]
         rows.append(row)
         print(json.dumps(row), flush=True)
-        _fingerprints_result(out, rows, routed_only)   # after each row: a run cut short keeps them
-    return _fingerprints_result(out, rows, routed_only)
+        result = _fingerprints_result(out, rows, routed_only)   # after each row: a run cut short keeps them
+    return result
 
 
 def _own(model: str, row: dict, mine: dict, out: Path) -> None:

@@ -98,8 +98,12 @@ fi
 on_path() { case ":$PYTHONPATH:" in *":$1:"*) ;; *) export PYTHONPATH=$PYTHONPATH:$1 ;; esac; }
 # The step's clock starts again once what it waited for is built.
 ext_ready() { [ -n "$build_pid" ] && wait "$build_pid" 2>/dev/null; on_path "$EXT_DIR"; step_end=$((SECONDS + STEP_TIMEOUT)); }
-ccd_ready() { ext_ready; [ -n "${ccd_pid:-}" ] && wait "$ccd_pid" 2>/dev/null; on_path /tmp/ccd_ext
+ccd_built() { [ -n "${ccd_pid:-}" ] && wait "$ccd_pid" 2>/dev/null; on_path /tmp/ccd_ext
               step_end=$((SECONDS + STEP_TIMEOUT)); }
+ccd_ready() { ext_ready; ccd_built; }
+# compat's folder (JSON and the routed steps' .pt files) in parts small enough to come back from the device
+# machine (16 MiB a file)
+pack_compat() { tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"; }
 # "$@" within what is left of this step's STEP_TIMEOUT (status 124, as timeout's, when it is spent)
 within() {
   local left=$((step_end - SECONDS))
@@ -203,14 +207,11 @@ for step in "$@"; do
             MAMBA_DETERMINISTIC=1 CUBLAS_WORKSPACE_CONFIG=:4096:8 within python3 benchmarks/bench_compat.py fingerprints \
               --out "$OUT/compat" >>"$log" 2>&1
             run_pytest -q -m gpu tests/test_compat_gpu.py
-            # the JSON and the routed steps' .pt files (mambalab fingerprint --compare them across GPUs), in parts
-            # small enough to come back from the device machine (16 MiB a file)
-            tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"
+            pack_compat   # mambalab fingerprint --compare the routed steps' files across GPUs
             show="^\{|passed|failed|rror|ccd build" ;;
-    compat-routed) [ -n "${ccd_pid:-}" ] && wait "$ccd_pid" 2>/dev/null; on_path /tmp/ccd_ext
-                   step_end=$((SECONDS + STEP_TIMEOUT)); tail -1 "$OUT/ccd_build.log" >>"$log"; mkdir -p "$OUT/compat"
+    compat-routed) ccd_built; tail -1 "$OUT/ccd_build.log" >>"$log"; mkdir -p "$OUT/compat"
                    within python3 benchmarks/bench_compat.py fingerprints --routed-only --out "$OUT/compat" >>"$log" 2>&1
-                   tar czf - -C "$OUT" --exclude='*_own_*' compat | split -b 15M - "$OUT/compat.tar.gz.part-"
+                   pack_compat
                    show="^\{|rror|ccd build" ;;
     compat-speed) ccd_ready   # one process per mamba-ssm mode
                   within python3 benchmarks/bench_compat.py speed --out "$OUT/compat_speed_default.json" >>"$log" 2>&1
