@@ -125,12 +125,14 @@ def run_rank(rank: int, world: int, init_method: str, out_dir: str, sizes: dict,
     {run: its results} to out_dir/rank{rank}.pt. ``rank`` first, so :func:`torch.multiprocessing.start_processes`
     can start it."""
     from mambalab.parallel.context import context_parallel_ssd, sum_over_ranks
+    from mambalab.parallel.layout import import_group_capturing_modules
 
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     else:
         torch.set_num_threads(1)   # the ranks share the CPU's cores
+    import_group_capturing_modules()
     dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ins = {k: v.to(device) for k, v in check_inputs(**sizes, seed=seed).items()}

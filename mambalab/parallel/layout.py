@@ -95,6 +95,19 @@ def layout_from_env(tp: int, dp: int | None = None, env=os.environ, cp: int = 1)
     return world, rank, local_rank, dp
 
 
+def import_group_capturing_modules() -> None:
+    """Import, before any process group exists, the torch module known to keep the default group alive.
+
+    ``ShardedGradScaler.__init__`` takes ``process_group: ProcessGroup | None = dist.group.WORLD``
+    (torch 2.13's ``torch/distributed/fsdp/sharded_grad_scaler.py``), a default evaluated once, when the
+    module is first imported; constructing an optimizer imports ``torch._dynamo``, which imports that module. First
+    imported after ``init_process_group``, the default holds the world group past ``destroy_process_group``, and
+    with gloo its worker threads still run when the interpreter exits, where a rank can abort ("terminate called
+    without an active exception"). Imported first, the default is None. ``tests/distributed/test_faults.py``
+    checks that a trainer run leaves no gloo thread behind."""
+    import torch.distributed.fsdp.sharded_grad_scaler  # noqa: F401
+
+
 def init_distributed(tp: int, dp: int | None = None, backend: str | None = None,
                      timeout_s: float = 60.0, cp: int = 1) -> ParallelLayout:
     """Start the process group from torchrun's environment and return this rank's layout.
@@ -111,6 +124,7 @@ def init_distributed(tp: int, dp: int | None = None, backend: str | None = None,
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
+        import_group_capturing_modules()
         # NCCL only honours the timeout with async error handling on (the default in recent torch).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         kw = {"device_id": torch.device("cuda", local_rank)} if backend == "nccl" else {}

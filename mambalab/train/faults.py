@@ -49,7 +49,10 @@ class Watchdog:
         self.last, self.step = time.monotonic(), step
 
     def stop(self) -> None:
+        """Stop the thread and wait for it, so that nothing it refers to outlives the run."""
         self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
     def _run(self):
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):

@@ -316,10 +316,7 @@ def train(cfg: TrainConfig) -> list[dict]:
         with switch:
             result = _train(dataclasses.replace(cfg, model=model_config), layout)
         if dist.is_initialized():
-            # every rank done before any tears down: rank 0 hosts the rendezvous store, and a rank that
-            # destroys its process group while another still talks to the store can abort ("terminate called
-            # without an active exception", seen once in CI on this launch)
-            dist.barrier()
+            dist.barrier()   # every rank done before any tears its groups down
         return result
     finally:
         if dist.is_initialized():

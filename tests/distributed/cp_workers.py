@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mambalab.ops.conv1d import causal_conv1d_fn
 from mambalab.ops.ssd import ssd_chunk_scan
 from mambalab.parallel import context_parallel_conv1d, context_parallel_ssd, sum_over_ranks
+from mambalab.parallel.layout import import_group_capturing_modules
 
 L, CHUNK = 64, 16
 SSD = dict(b=2, h=2, p=4, g=1, n=4)
@@ -217,6 +218,7 @@ if __name__ == "__main__":
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    import_group_capturing_modules()
     dist.init_process_group(backend)
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     world = dist.get_world_size()

@@ -1,5 +1,6 @@
 """Faults around checkpoints and usage errors, in real processes: a shard truncated on one rank of two (gloo),
-a run killed while writing a checkpoint, and a usage error under torchrun (printed once, no traceback)."""
+a run killed while writing a checkpoint, a finished run's exit (no gloo thread left running), and a usage error
+under torchrun (printed once, no traceback)."""
 import os
 import shutil
 import subprocess
@@ -7,6 +8,8 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+
+import pytest
 
 import mambalab  # noqa: F401
 from mambalab.modules.lm import LMConfig
@@ -72,6 +75,30 @@ def test_a_run_killed_while_saving_leaves_the_last_complete_checkpoint(tmp_path)
     assert [r["step"] for r in resumed] == [2]
     assert [r["loss"] for r in resumed] == [r["loss"] for r in want]        # the intact step 2, bit for bit
     assert read_metrics(tmp_path / "out", events=True)[0] == {"event": "resume", "from_step": 2}
+
+
+_GLOO_THREADS_AFTER_A_RUN = textwrap.dedent("""
+    import os
+    import mambalab
+    from mambalab.modules.lm import LMConfig
+    from mambalab.train import TrainConfig, train
+    train(TrainConfig(model=LMConfig(**{model}), **{run}, tp=2, steps=1))
+    names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+    print("gloo threads after the run:", sorted(n for n in names if "gloo" in n), flush=True)
+""")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads the process's threads from /proc")
+def test_a_finished_run_leaves_no_gloo_thread_running_into_the_exit(tmp_path):
+    # A process group that outlives destroy_process_group keeps its gloo threads running while the interpreter
+    # exits, where a rank can abort (layout.import_group_capturing_modules says which torch default held one).
+    script = tmp_path / "run.py"
+    script.write_text(_GLOO_THREADS_AFTER_A_RUN.format(model=MODEL, run=RUN))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
+    proc = subprocess.run(cmd, env=ENV, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("gloo threads after the run:")]
+    assert lines == ["gloo threads after the run: []"] * 2, proc.stdout[-3000:]
 
 
 def test_a_usage_error_under_torchrun_is_one_line_from_rank_0(tmp_path):
